@@ -1,0 +1,39 @@
+"""The one door in: `openk3 <command>` (or `python -m openk3 <command>`).
+
+Each command lives in `openk3/commands/<name>.py` as `add_arguments(parser)` + `main(args)` and is
+imported only when chosen, so `openk3 info` does not pay for what `openk3 demo` needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "info": "parameter counts, FLOPs and decode-state sizes of a config",
+    "demo": "build a model, run it, and decode with the cache (the main job until pretraining lands)",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3, open and end to end.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"openk3.commands.{name}").add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(f"openk3.commands.{args.command}")
+    try:
+        return module.main(args) or 0
+    except ValueError as e:  # user errors: one clear line, no traceback
+        print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

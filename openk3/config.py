@@ -1,0 +1,423 @@
+"""Model configuration: the release's `text_config` field names, exactly, plus named presets.
+
+`K3Config` mirrors the `text_config` object of the released Kimi K3 `config.json` (model_type
+`kimi_linear`) field for field, and `LinearAttnConfig` its nested `linear_attn_config`. The same
+dataclass also describes the predecessor Kimi-Linear-48B: every K3 feature is switched on by a field
+whose absence means "off" in the Kimi-Linear remote code (no `attn_res_block_size` = plain residual
+stream, no `routed_expert_hidden_size` = experts at full width, no `gate_lower_bound` = softplus
+decay gate, `use_full_rank_gate` false = low-rank output gate, `mla_use_output_gate` false, and
+`hidden_act` "silu" = SwiGLU).
+
+Layer lists are 1-indexed as in the file (spec §1.6): 0-based layer `l` is MLA iff `l + 1` is in
+`full_attn_layers`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Keys that appear in released config.json files but do not change the text model's math. They are
+# accepted, kept in `K3Config.extra` and written back on save, never silently dropped.
+_METADATA_KEYS = frozenset({
+    "_name_or_path", "_commit_hash", "auto_map", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "pad_token_id", "initializer_range", "use_cache", "model_max_length", "head_dim",
+    "rope_theta", "rope_scaling", "attention_dropout", "attention_bias", "pretraining_tp",
+    "output_router_logits", "ignore_index", "quantization_config",
+})
+# Top-level keys of a `kimi_k3` wrapper that belong to other towers or to the wrapper itself.
+_WRAPPER_KEYS = frozenset({
+    "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
+    "media_placeholder_token_id", "image_placeholder", "tie_word_embeddings", "ignore_index",
+    "text_config", "vision_config", "auto_map", "transformers_version", "torch_dtype", "dtype",
+    "_name_or_path", "_commit_hash", "use_cache", "initializer_range",
+})
+
+HIDDEN_ACTS = ("situ", "silu")
+
+
+@dataclass
+class LinearAttnConfig:
+    """`text_config.linear_attn_config`: the KDA layers and the hybrid layout (1-indexed lists)."""
+
+    num_heads: int
+    head_dim: int
+    full_attn_layers: list[int]
+    kda_layers: list[int] | None = None
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float | None = None
+    use_full_rank_gate: bool = False
+
+
+@dataclass
+class K3Config:
+    """The text model. Field names are the release's `text_config` names (spec §1.3)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    num_experts: int
+    num_experts_per_token: int
+    moe_intermediate_size: int
+    linear_attn_config: LinearAttnConfig
+    num_key_value_heads: int | None = None
+    q_lora_rank: int | None = None
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = False
+    max_position_embeddings: int = 1048576
+    hidden_act: str = "silu"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    num_shared_experts: int = 1
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    rms_norm_eps: float = 1e-5
+    attn_res_block_size: int | None = None
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list[int] | None = 163586
+    architectures: list[str] = field(default_factory=lambda: ["KimiLinearForCausalLM"])
+    model_type: str = "kimi_linear"
+    # openk3 options that are not release fields (kept out of config.json unless changed).
+    # The HF reference builds the MLA latent norms without an eps argument (1e-6); vLLM, llama.cpp
+    # and colibri use rms_norm_eps (1e-5). Spec §11 marks this a conflict, so it is a choice.
+    mla_latent_norm_eps: float = 1e-6
+    # Metadata keys from the file that do not change the math (see _METADATA_KEYS).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.linear_attn_config, dict):
+            self.linear_attn_config = _build(LinearAttnConfig, self.linear_attn_config, "linear_attn_config")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        self.validate()
+
+    # ---- derived layout -------------------------------------------------------------------
+    @property
+    def mla_layers(self) -> list[int]:
+        """0-based indices of the gated-MLA layers."""
+        return [i - 1 for i in sorted(self.linear_attn_config.full_attn_layers)]
+
+    def is_mla_layer(self, layer: int) -> bool:
+        return (layer + 1) in self.linear_attn_config.full_attn_layers
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    def is_snapshot_layer(self, layer: int) -> bool:
+        """AttnRes: the incoming prefix becomes a block representation at this layer (spec §4.3)."""
+        return self.attn_res_block_size is not None and layer % self.attn_res_block_size == 0
+
+    @property
+    def use_attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def use_latent_moe(self) -> bool:
+        return self.routed_expert_hidden_size is not None
+
+    @property
+    def expert_in_dim(self) -> int:
+        """Width the routed experts read and write: the latent width, or hidden for plain MoE."""
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def a_log_size(self) -> int:
+        """Stored length of KDA `A_log`: per-head values zero-padded to a multiple of 128 (spec §2)."""
+        return math.ceil(self.linear_attn_config.num_heads / 128) * 128
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # ---- validation -----------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ValueError naming the field for any inconsistent value."""
+        la = self.linear_attn_config
+        L = self.num_hidden_layers
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "qk_nope_head_dim", "v_head_dim", "intermediate_size", "num_experts",
+                     "num_experts_per_token", "moe_intermediate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"config field {name!r} must be a positive integer, got {v!r}")
+        for name in ("num_heads", "head_dim", "short_conv_kernel_size"):
+            v = getattr(la, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"config field 'linear_attn_config.{name}' must be a positive integer, got {v!r}")
+        if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
+            raise ValueError(f"config field 'qk_rope_head_dim' must be an integer >= 0, got {self.qk_rope_head_dim!r}")
+        full = list(la.full_attn_layers)
+        bad = [i for i in full if not isinstance(i, int) or not 1 <= i <= L]
+        if bad:
+            raise ValueError(f"config field 'linear_attn_config.full_attn_layers' must hold 1-indexed layers in "
+                             f"1..{L} (num_hidden_layers), got {bad}")
+        if len(set(full)) != len(full):
+            raise ValueError(f"config field 'linear_attn_config.full_attn_layers' has duplicates: {full}")
+        rest = [i for i in range(1, L + 1) if i not in set(full)]
+        if la.kda_layers is None:
+            la.kda_layers = rest
+        elif sorted(la.kda_layers) != rest:
+            raise ValueError(f"config field 'linear_attn_config.kda_layers' must be exactly the layers 1..{L} not in "
+                             f"full_attn_layers ({rest}), got {sorted(la.kda_layers)}")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"config field 'hidden_act' must be one of {HIDDEN_ACTS}, got {self.hidden_act!r}")
+        if self.moe_router_activation_func != "sigmoid":
+            raise ValueError(f"config field 'moe_router_activation_func' must be 'sigmoid', "
+                             f"got {self.moe_router_activation_func!r}")
+        if self.topk_method != "noaux_tc":
+            raise ValueError(f"config field 'topk_method' must be 'noaux_tc', got {self.topk_method!r}")
+        if self.num_expert_group != 1 or self.topk_group != 1:
+            raise ValueError("grouped top-k routing is not supported: config fields 'num_expert_group' and "
+                             f"'topk_group' must be 1, got {self.num_expert_group} and {self.topk_group}")
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(f"config field 'num_experts_per_token' must be in 1..num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_token}")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"config field 'num_key_value_heads' must equal num_attention_heads "
+                             f"({self.num_attention_heads}) for MLA, got {self.num_key_value_heads}")
+        if not self.mla_use_nope:
+            raise ValueError("config field 'mla_use_nope' must be true: openk3 implements NoPE MLA only "
+                             "(K3 and Kimi-Linear never rotate the rope slots)")
+        if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
+            raise ValueError(f"config field 'attn_res_block_size' must be positive, got {self.attn_res_block_size}")
+        if self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size <= 0:
+            raise ValueError(f"config field 'routed_expert_hidden_size' must be positive, "
+                             f"got {self.routed_expert_hidden_size}")
+        if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
+            raise ValueError("config field 'latent_moe_use_norm' needs 'routed_expert_hidden_size'")
+        if self.num_nextn_predict_layers != 0:
+            raise ValueError(f"config field 'num_nextn_predict_layers' must be 0 (no MTP head), "
+                             f"got {self.num_nextn_predict_layers}")
+        if self.tie_word_embeddings:
+            raise ValueError("config field 'tie_word_embeddings' must be false (K3 and Kimi-Linear are untied)")
+        if la.gate_lower_bound is not None and not la.gate_lower_bound < 0:
+            raise ValueError(f"config field 'linear_attn_config.gate_lower_bound' must be negative, "
+                             f"got {la.gate_lower_bound}")
+        if self.first_k_dense_replace < 0 or self.moe_layer_freq <= 0:
+            raise ValueError("config fields 'first_k_dense_replace' >= 0 and 'moe_layer_freq' > 0 required, got "
+                             f"{self.first_k_dense_replace} and {self.moe_layer_freq}")
+
+    # ---- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The `text_config` / bare `kimi_linear` dict (metadata from `extra` merged back)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            if f.name in _OPENK3_ONLY and v == f.default:
+                continue
+            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+        for k, v in self.extra.items():
+            if k != "_wrapper":  # the wrapper's other towers are not text_config fields
+                out.setdefault(k, v)
+        return out
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write a bare `kimi_linear` config.json atomically (temp file + rename)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2, sort_keys=False)
+            fh.write("\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config") -> "K3Config":
+        """Build from a bare `kimi_linear` dict or a `kimi_k3` wrapper (`text_config` nested).
+
+        Unknown fields raise ValueError naming them; known metadata is kept in `extra`; the other
+        towers of a wrapper (`vision_config`, ...) are set aside in `extra["_wrapper"]`.
+        """
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        if d.get("model_type") == "kimi_k3" or "text_config" in d:
+            unknown = sorted(set(d) - _WRAPPER_KEYS)
+            if unknown:
+                raise ValueError(f"{source}: unknown top-level field(s) {unknown} in a kimi_k3 config")
+            if "text_config" not in d:
+                raise ValueError(f"{source}: kimi_k3 config has no 'text_config'")
+            wrapper = {k: v for k, v in d.items() if k != "text_config"}
+            cfg = cls.from_dict(d["text_config"], source=f"{source}: text_config")
+            cfg.extra["_wrapper"] = wrapper
+            return cfg
+        if d.get("model_type", "kimi_linear") != "kimi_linear":
+            raise ValueError(f"{source}: field 'model_type' must be 'kimi_linear' or 'kimi_k3', "
+                             f"got {d['model_type']!r}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        extra = {k: v for k, v in d.items() if k in _METADATA_KEYS and k not in names}
+        unknown = sorted(set(d) - names - _METADATA_KEYS)
+        if unknown:
+            hints = [f"{u} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, names, 1)) else u
+                     for u in unknown]
+            raise ValueError(f"{source}: unknown field(s) {', '.join(hints)}")
+        if "linear_attn_config" in kwargs:
+            kwargs["linear_attn_config"] = _build(LinearAttnConfig, kwargs["linear_attn_config"],
+                                                  f"{source}: linear_attn_config")
+        return _build(cls, {**kwargs, "extra": extra}, source)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "K3Config":
+        """Read a config.json (top-level `kimi_k3` with `text_config`, or a bare `kimi_linear`)."""
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=str(path))
+
+    def replace(self, **changes: Any) -> "K3Config":
+        """A copy with `changes` applied (dotted keys `linear_attn_config.x` allowed), re-validated."""
+        d = dataclasses.asdict(self)
+        for key, value in changes.items():
+            target, leaf = d, key
+            if "." in key:
+                head, leaf = key.split(".", 1)
+                target = d[head]
+            if leaf not in target:
+                raise ValueError(f"unknown config field {key!r}")
+            target[leaf] = value
+        d["linear_attn_config"] = LinearAttnConfig(**d["linear_attn_config"])
+        return K3Config(**d)
+
+
+_OPENK3_ONLY = frozenset({"mla_latent_norm_eps"})
+
+
+def _build(cls: type, d: Any, source: str) -> Any:
+    """cls(**d) with ValueErrors that name the missing or unknown field."""
+    if isinstance(d, cls):
+        return d
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected an object, got {d!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {unknown}")
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING and n not in d]
+    if missing:
+        raise ValueError(f"{source}: missing required field(s) {missing}")
+    return cls(**d)
+
+
+# ---- presets -------------------------------------------------------------------------------
+
+def _hybrid_layers(num_layers: int) -> list[int]:
+    """K3's rule (spec §1.6): full attention at 1-idx layers 4, 8, ... plus the last layer."""
+    return sorted(set(range(4, num_layers + 1, 4)) | {num_layers})
+
+
+def _k3_family(*, vocab: int, hidden: int, layers: int, kda_heads: int, kda_dim: int, mla_heads: int,
+               q_lora: int, kv_lora: int, nope: int, rope: int, v: int, dense: int, experts: int, topk: int,
+               latent: int, moe_inter: int, block: int, max_pos: int) -> K3Config:
+    return K3Config(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=mla_heads,
+        num_key_value_heads=mla_heads, q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope, v_head_dim=v, mla_use_nope=True, mla_use_output_gate=True,
+        max_position_embeddings=max_pos, hidden_act="situ", activation_situ_beta=4.0,
+        activation_situ_linear_beta=25.0, intermediate_size=dense, first_k_dense_replace=1, moe_layer_freq=1,
+        num_experts=experts, num_experts_per_token=topk, num_shared_experts=2, moe_intermediate_size=moe_inter,
+        routed_expert_hidden_size=latent, latent_moe_use_norm=True, routed_scaling_factor=1.0,
+        rms_norm_eps=1e-5, attn_res_block_size=block,
+        linear_attn_config=LinearAttnConfig(
+            num_heads=kda_heads, head_dim=kda_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0,
+            use_full_rank_gate=True, full_attn_layers=_hybrid_layers(layers)),
+    )
+
+
+def nano() -> K3Config:
+    """4.8M parameters, every structural feature of K3 (spec k3-configs.md). CI and unit tests."""
+    return _k3_family(vocab=512, hidden=128, layers=9, kda_heads=4, kda_dim=32, mla_heads=4, q_lora=64, kv_lora=32,
+                      nope=32, rope=16, v=32, dense=512, experts=32, topk=4, latent=64, moe_inter=64, block=3,
+                      max_pos=4096)
+
+
+def small() -> K3Config:
+    """42M parameters (17.5M active): minutes-long CPU training runs."""
+    return _k3_family(vocab=8192, hidden=256, layers=13, kda_heads=6, kda_dim=64, mla_heads=6, q_lora=96, kv_lora=64,
+                      nope=64, rope=32, v=64, dense=1024, experts=64, topk=8, latent=128, moe_inter=96, block=5,
+                      max_pos=8192)
+
+
+def base() -> K3Config:
+    """1.56B parameters (0.61B active), K3's exact head dims and real vocabulary: one GPU."""
+    return _k3_family(vocab=163840, hidden=1024, layers=21, kda_heads=12, kda_dim=128, mla_heads=12, q_lora=384,
+                      kv_lora=256, nope=128, rope=64, v=128, dense=4864, experts=256, topk=16, latent=512,
+                      moe_inter=128, block=8, max_pos=131072)
+
+
+def k3() -> K3Config:
+    """The released Kimi K3 text model, exactly (spec §1.3-1.4)."""
+    return _k3_family(vocab=163840, hidden=7168, layers=93, kda_heads=96, kda_dim=128, mla_heads=96, q_lora=1536,
+                      kv_lora=512, nope=128, rope=64, v=128, dense=33792, experts=896, topk=16, latent=3584,
+                      moe_inter=3072, block=12, max_pos=1048576)
+
+
+def kimi_linear_48b() -> K3Config:
+    """moonshotai/Kimi-Linear-48B-A3B: softplus gate, low-rank output gate, no AttnRes, SwiGLU, plain MoE."""
+    return K3Config(
+        vocab_size=163840, hidden_size=2304, num_hidden_layers=27, num_attention_heads=32, num_key_value_heads=32,
+        q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        mla_use_nope=True, mla_use_output_gate=False, max_position_embeddings=1048576, hidden_act="silu",
+        intermediate_size=9216, first_k_dense_replace=1, moe_layer_freq=1, num_experts=256, num_experts_per_token=8,
+        num_shared_experts=1, moe_intermediate_size=1024, routed_scaling_factor=2.446, rms_norm_eps=1e-5,
+        linear_attn_config=LinearAttnConfig(num_heads=32, head_dim=128, short_conv_kernel_size=4,
+                                            full_attn_layers=[4, 8, 12, 16, 20, 24, 27]),
+    )
+
+
+def as_kimi_linear(cfg: K3Config) -> K3Config:
+    """The same shapes in the predecessor's form (what transformers' KimiLinear can run).
+
+    Experts move from the latent to the full hidden width, so `moe_intermediate_size` is scaled by
+    latent/hidden to keep the routed parameter count (and hence total and active counts) about equal.
+    """
+    inter = cfg.moe_intermediate_size
+    if cfg.routed_expert_hidden_size is not None:
+        inter = max(1, inter * cfg.routed_expert_hidden_size // cfg.hidden_size)
+    return cfg.replace(hidden_act="silu", mla_use_output_gate=False, routed_expert_hidden_size=None,
+                       latent_moe_use_norm=False, attn_res_block_size=None, moe_intermediate_size=inter,
+                       **{"linear_attn_config.gate_lower_bound": None,
+                          "linear_attn_config.use_full_rank_gate": False})
+
+
+PRESETS = {
+    "nano": nano,
+    "small": small,
+    "base": base,
+    "k3": k3,
+    "kimi-linear-48b": kimi_linear_48b,
+}
+
+
+def preset(name: str) -> K3Config:
+    """A preset by name; `<name>-kl` gives the same shapes in Kimi-Linear form (e.g. `small-kl`)."""
+    if name.endswith("-kl") and name[:-3] in PRESETS:
+        return as_kimi_linear(PRESETS[name[:-3]]())
+    if name not in PRESETS:
+        close = difflib.get_close_matches(name, list(PRESETS), 1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown preset {name!r}{hint}; choose from {sorted(PRESETS)} or '<preset>-kl'")
+    return PRESETS[name]()

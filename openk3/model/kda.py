@@ -1,0 +1,146 @@
+"""Kimi Delta Attention layer (spec §4.4): projections, short convs, gates, the delta-rule op, the
+per-head gated output norm.
+
+Legend: B batch, T tokens, D hidden, P = H*K projection width, H KDA heads, K = V head dim,
+W = kernel - 1 conv history.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from openk3.common import upcast
+from openk3.config import K3Config
+from openk3.model.cache import KDAState
+from openk3.ops import kda as kda_ops
+
+
+class ShortConv(nn.Module):
+    """Causal depthwise conv, no bias, SiLU after (FLA ShortConvolution). Weight [P, 1, kernel], fp32."""
+
+    def __init__(self, channels: int, kernel: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+    def forward(self, x_BTP: torch.Tensor, history_BWP: torch.Tensor | None,
+                seg_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (silu(conv(x)) in fp32 [B, T, P], the new history [B, W, P]).
+
+        `history_BWP` holds the W inputs before x (zeros at a sequence start). `seg_BT` (document
+        index within a packed row) stops a tap from reading across a document boundary; only segment
+        0 continues from `history_BWP`.
+        """
+        B, T, P = x_BTP.shape
+        W = self.weight.shape[-1] - 1
+        if history_BWP is None:
+            history_BWP = x_BTP.new_zeros(B, W, P)
+        full_BSP = upcast(torch.cat([history_BWP.to(x_BTP.dtype), x_BTP], dim=1))
+        w_PJ = upcast(self.weight[:, 0, :])
+        out_BTP = full_BSP[:, W:] * w_PJ[:, W]
+        for s in range(1, W + 1):  # tap W - s reads the input s steps back
+            tap_BTP = full_BSP[:, W - s:W - s + T] * w_PJ[:, W - s]
+            if seg_BT is not None:
+                prev_BT = torch.zeros_like(seg_BT)  # segment of the input s steps back; history is segment 0
+                prev_BT[:, s:] = seg_BT[:, :-s] if s < T else prev_BT[:, s:]
+                tap_BTP = tap_BTP * (prev_BT == seg_BT)[..., None]
+            out_BTP = out_BTP + tap_BTP
+        return F.silu(out_BTP), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm; eps on the *sum*, spec §10.11)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        la = cfg.linear_attn_config
+        D, H, K = cfg.hidden_size, la.num_heads, la.head_dim
+        P = H * K
+        self.num_heads, self.head_dim = H, K
+        self.lower_bound = la.gate_lower_bound
+        self.eps = cfg.rms_norm_eps
+        self.q_proj = nn.Linear(D, P, bias=False)
+        self.k_proj = nn.Linear(D, P, bias=False)
+        self.v_proj = nn.Linear(D, P, bias=False)
+        self.q_conv1d = ShortConv(P, la.short_conv_kernel_size)
+        self.k_conv1d = ShortConv(P, la.short_conv_kernel_size)
+        self.v_conv1d = ShortConv(P, la.short_conv_kernel_size)
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, P, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        # Per-head values zero-padded to a multiple of 128, as stored in the release (spec §10.3).
+        self.A_log = nn.Parameter(torch.empty(cfg.a_log_size))
+        self.dt_bias = nn.Parameter(torch.empty(P))
+        if la.use_full_rank_gate:
+            self.g_proj = nn.Linear(D, P, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(D, K, bias=False)
+            self.g_b_proj = nn.Linear(K, P, bias=False)
+        self.o_norm = nn.Module()
+        self.o_norm.weight = nn.Parameter(torch.empty(K))
+        self.o_proj = nn.Linear(P, D, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KDAState:
+        """Zero decode state: conv histories in the activation dtype, recurrent S in fp32."""
+        P, W = self.num_heads * self.head_dim, self.q_conv1d.weight.shape[-1] - 1
+        rec_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        conv = [torch.zeros(batch, W, P, device=device, dtype=dtype) for _ in range(3)]
+        return KDAState(*conv, torch.zeros(batch, self.num_heads, self.head_dim, self.head_dim, device=device,
+                                           dtype=rec_dtype))
+
+    def decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """Per-channel log decay g [B, T, H, K] in fp32 (spec §4.4 step 4)."""
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        z_BTHK = upcast(self.f_b_proj(self.f_a_proj(x_BTD))).view(B, T, H, K) + upcast(self.dt_bias).view(H, K)
+        a_H1 = torch.exp(upcast(self.A_log[:H])).view(H, 1)  # indexed by head, never by channel
+        if self.lower_bound is not None:
+            # K3: bounded sigmoid form; "lower bound" swaps the activation, it is not a clamp.
+            return self.lower_bound * torch.sigmoid(a_H1 * z_BTHK)
+        return -a_H1 * F.softplus(z_BTHK)
+
+    def forward(self, x_BTD: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
+                state: KDAState | None = None) -> tuple[torch.Tensor, KDAState | None]:
+        """x: normed layer input [B, T, D]. Returns (output [B, T, D], new state or None).
+
+        `seg_BT`: document index per token of a packed row (state resets at each new document).
+        `state`: decode state to continue from; a new state is returned when it is given.
+        """
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        hist = (state.conv_q, state.conv_k, state.conv_v) if state is not None else (None, None, None)
+        q_BTP, hq = self.q_conv1d(self.q_proj(x_BTD), hist[0], seg_BT)
+        k_BTP, hk = self.k_conv1d(self.k_proj(x_BTD), hist[1], seg_BT)
+        v_BTP, hv = self.v_conv1d(self.v_proj(x_BTD), hist[2], seg_BT)
+        q_BTHK = l2_normalize(q_BTP.view(B, T, H, K))
+        k_BTHK = l2_normalize(k_BTP.view(B, T, H, K))
+        v_BTHK = v_BTP.view(B, T, H, K)
+        g_BTHK = self.decay(x_BTD)
+        beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
+        doc_start_BT = None
+        if seg_BT is not None:
+            doc_start_BT = torch.zeros_like(seg_BT, dtype=torch.bool)
+            doc_start_BT[:, 1:] = seg_BT[:, 1:] != seg_BT[:, :-1]
+        s0 = state.recurrent if state is not None else None
+        scale = K ** -0.5
+        if state is not None and T == 1:
+            o_BHK, s1 = kda_ops.kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHK[:, 0], g_BTHK[:, 0], beta_BTH[:, 0],
+                                         scale=scale, state=s0)
+            o_BTHK = o_BHK[:, None]
+        else:
+            o_BTHK, s1 = kda_ops.kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, scale=scale, initial_state=s0,
+                                     doc_start=doc_start_BT)
+        # Per-head RMSNorm, then the sigmoid output gate, all fp32 (FLA FusedRMSNormGated).
+        o_BTHK = o_BTHK * torch.rsqrt(o_BTHK.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
+        if hasattr(self, "g_proj"):
+            gate = self.g_proj(x_BTD)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x_BTD))
+        o_BTHK = o_BTHK * torch.sigmoid(upcast(gate).view(B, T, H, K))
+        out_BTD = self.o_proj(o_BTHK.reshape(B, T, H * K).to(x_BTD.dtype))
+        new_state = KDAState(hq, hk, hv, s1) if state is not None else None
+        return out_BTD, new_state

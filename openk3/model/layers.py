@@ -1,0 +1,68 @@
+"""Building blocks shared by the layers: RMSNorm, the GLU activations, the GLU MLP.
+
+Legend: ... any leading dims, D width, I hidden width of an MLP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from openk3.common import upcast
+
+
+class RMSNorm(nn.Module):
+    """K3's RMSNorm (spec §4.1): statistics in fp32, cast back to the input dtype, *then* times weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = upcast(x)
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight.to(x.dtype) * normed
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, *, beta: float, linear_beta: float) -> torch.Tensor:
+    """SiTU-GLU (spec §4.2): [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)], in fp32, cast back.
+
+    The sigmoid sees the *uncapped* gate; both branches are soft-capped so |out| <= b1 * b2.
+    """
+    g, u = upcast(gate), upcast(up)
+    out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return out.to(gate.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU as in Kimi-Linear (silu(g) * u in the activation dtype)."""
+    return F.silu(gate) * up
+
+
+def make_glu(hidden_act: str, beta: float, linear_beta: float):
+    """The GLU used everywhere in the model (dense MLP, shared and routed experts)."""
+    if hidden_act == "situ":
+        return functools.partial(situ_glu, beta=beta, linear_beta=linear_beta)
+    assert hidden_act == "silu", hidden_act
+    return swiglu
+
+
+class GluMLP(nn.Module):
+    """down(glu(gate x, up x)): the dense MLP of layer 0 and the fused shared experts."""
+
+    def __init__(self, dim: int, hidden: int, glu) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.glu = glu
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))

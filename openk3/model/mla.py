@@ -1,0 +1,81 @@
+"""Gated NoPE multi-head latent attention layer (spec §4.5).
+
+Legend: B batch, T new tokens, S all key tokens (cache + new), D hidden, H heads, C kv_lora_rank,
+Dn/Dr/Dv nope/"rope"/value head dims, Q q_lora_rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from openk3.config import K3Config
+from openk3.model.cache import MLAState
+from openk3.model.layers import RMSNorm
+from openk3.ops import mla as mla_ops
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = H
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        # NoPE, but the softmax scale uses the full 192-wide q head (spec §10.5).
+        self.scale = (self.dn + self.dr) ** -0.5
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_latent_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.dn + self.dr), bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, cfg.kv_lora_rank + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.mla_latent_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (self.dn + self.dv), bias=False)
+        if cfg.mla_use_output_gate:
+            self.g_proj = nn.Linear(D, H * self.dv, bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> MLAState:
+        return MLAState(torch.zeros(batch, 0, self.kv_lora_rank, device=device, dtype=dtype),
+                        torch.zeros(batch, 0, self.dr, device=device, dtype=dtype))
+
+    def forward(self, x_BTD: torch.Tensor, *, seg_BT: torch.Tensor | None = None, state: MLAState | None = None,
+                impl: str = "naive") -> tuple[torch.Tensor, MLAState | None]:
+        """x: normed layer input [B, T, D] -> (output [B, T, D], extended cache or None).
+
+        `seg_BT` makes attention block-diagonal over the documents of a packed row; `impl` is
+        "naive" (expanded K/V, training) or "absorbed" (latent, decode). Both are exact.
+        """
+        B, T, _ = x_BTD.shape
+        H = self.num_heads
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTHD = q.view(B, T, H, self.dn + self.dr)
+        latent_BTC, kpe_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.dr], dim=-1)
+        ckv_BTC = self.kv_a_layernorm(latent_BTC)
+        new_state = None
+        ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
+        if state is not None:
+            ckv_BSC = torch.cat([state.ckv, ckv_BTC], dim=1)
+            kpe_BSR = torch.cat([state.kpe, kpe_BTR], dim=1)
+            new_state = MLAState(ckv_BSC, kpe_BSR)
+        S = ckv_BSC.shape[1]
+        if seg_BT is not None:
+            assert state is None, "packed documents are a training/prefill feature"
+            mask = mla_ops.attention_mask(T, S, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
+        elif T == 1:
+            mask = None  # one query sees every cached key
+        else:
+            mask = mla_ops.attention_mask(T, S, device=x_BTD.device)
+        attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
+        o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
+                      mask_BTS=mask)
+        o_BTP = o_BTHV.reshape(B, T, H * self.dv)
+        if hasattr(self, "g_proj"):
+            # Sigmoid output gate from the same normed input; no norm on the MLA output (spec §10.9).
+            o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o_BTP), new_state

@@ -1,0 +1,225 @@
+"""The whole Kimi K3 text model: embedding, 93 (or fewer) hybrid layers wired by Block Attention
+Residuals, final mix, norm, untied head (spec §3). Parameter names are the checkpoint's names
+(without the `language_model.` prefix of the multimodal wrapper), except routed experts which are
+stacked per layer (see `moe.Experts`).
+
+Legend: B batch, T tokens, D hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from openk3.common import upcast
+from openk3.config import K3Config
+from openk3.model.cache import DenseCache
+from openk3.model.kda import KimiDeltaAttention
+from openk3.model.layers import GluMLP, RMSNorm, make_glu
+from openk3.model.mla import GatedMLA
+from openk3.model.moe import SparseMoE
+from openk3.ops.attnres import attn_res_mix
+
+# Tensors the release stores (and the reference computes with) in fp32 whatever the model dtype
+# (spec §2, §10.13). `K3ForCausalLM.cast` keeps them fp32.
+FP32_NAMES = ("conv1d.weight", "A_log", "dt_bias", "self_attn.o_norm.weight", "e_score_correction_bias")
+
+
+def _query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+    """An AttnRes site's pseudo-query: gamma * w folds the key norm's gain in (spec §4.3 step 3)."""
+    return upcast(norm.weight) * upcast(proj.weight[0])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, layer: int) -> None:
+        super().__init__()
+        D, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer = layer
+        self.is_mla = cfg.is_mla_layer(layer)
+        self.is_snapshot = cfg.is_snapshot_layer(layer)
+        glu = make_glu(cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.self_attn = GatedMLA(cfg) if self.is_mla else KimiDeltaAttention(cfg)
+        if cfg.is_moe_layer(layer):
+            self.block_sparse_moe = SparseMoE(cfg, glu)
+        else:
+            self.mlp = GluMLP(D, cfg.intermediate_size, glu)
+        self.input_layernorm = RMSNorm(D, eps)
+        self.post_attention_layernorm = RMSNorm(D, eps)
+        if cfg.use_attn_res:
+            self.self_attention_res_norm = RMSNorm(D, eps)
+            self.self_attention_res_proj = nn.Linear(D, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(D, eps)
+            self.mlp_res_proj = nn.Linear(D, 1, bias=False)
+        self.eps = eps
+
+    def ffn(self, x_BTD: torch.Tensor, moe_impl: str) -> torch.Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x_BTD, impl=moe_impl)
+        return self.mlp(x_BTD)
+
+    def attn(self, x_BTD, seg_BT, state, mla_impl):
+        if self.is_mla:
+            return self.self_attn(x_BTD, seg_BT=seg_BT, state=state, impl=mla_impl)
+        return self.self_attn(x_BTD, seg_BT=seg_BT, state=state)
+
+    def mix(self, site: str, cands: list[torch.Tensor]) -> torch.Tensor:
+        query = _query(getattr(self, f"{site}_res_norm"), getattr(self, f"{site}_res_proj"))
+        return attn_res_mix(cands, query, self.eps)
+
+
+class K3Model(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.use_attn_res:
+            self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
+                cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "grouped") -> torch.Tensor:
+        """Token ids [B, T] -> final hidden states [B, T, D] (after `model.norm`)."""
+        x_BTD = self.embed_tokens(input_ids_BT)
+        B = x_BTD.shape[0]
+        if cache is not None:
+            for i, layer in enumerate(self.layers):
+                if cache.layers[i] is None:
+                    cache.layers[i] = layer.self_attn.empty_state(B, x_BTD.device, x_BTD.dtype)
+        states = cache.layers if cache is not None else [None] * len(self.layers)
+        if not self.config.use_attn_res:
+            h_BTD = x_BTD
+            for i, layer in enumerate(self.layers):
+                a_BTD, states[i] = layer.attn(layer.input_layernorm(h_BTD), seg_BT, states[i], mla_impl)
+                h_BTD = h_BTD + a_BTD
+                h_BTD = h_BTD + layer.ffn(layer.post_attention_layernorm(h_BTD), moe_impl)
+        else:
+            # Block AttnRes (spec §3, §4.3): `prefix` is the running sum of sub-layer outputs in the
+            # current block, `blocks` the snapshots; there is no ordinary residual stream.
+            prefix: torch.Tensor | None = x_BTD
+            blocks: list[torch.Tensor] = []
+            for i, layer in enumerate(self.layers):
+                h_BTD = layer.mix("self_attention", blocks + [prefix]) if blocks else prefix
+                if layer.is_snapshot:
+                    blocks.append(prefix)
+                    prefix = None
+                a_BTD, states[i] = layer.attn(layer.input_layernorm(h_BTD), seg_BT, states[i], mla_impl)
+                prefix = a_BTD if prefix is None else prefix + a_BTD
+                m_BTD = layer.mix("mlp", blocks + [prefix])
+                prefix = prefix + layer.ffn(layer.post_attention_layernorm(m_BTD), moe_impl)
+            h_BTD = attn_res_mix(blocks + [prefix], _query(self.output_attn_res_norm, self.output_attn_res_proj),
+                                 self.config.rms_norm_eps)
+        if cache is not None:
+            cache.seq_len += input_ids_BT.shape[1]
+        return self.norm(h_BTD)
+
+
+class K3ForCausalLM(nn.Module):
+    """`model` (K3Model) + untied `lm_head`. Build with `K3ForCausalLM.build(cfg)`."""
+
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = K3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @classmethod
+    def build(cls, cfg: K3Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+              seed: int | None = 0) -> "K3ForCausalLM":
+        """Declare on the meta device, allocate on `device`, run `init_weights` (skipped on meta).
+
+        fp32-island tensors (`FP32_NAMES`) stay fp32 whatever `dtype` is (float64 keeps all float64).
+        """
+        with torch.device("meta"):
+            model = cls(cfg)
+        if str(device) == "meta":
+            return model.cast(dtype)
+        model = model.to_empty(device=device)
+        gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        model.init_weights(gen)
+        return model.cast(dtype)
+
+    def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
+        """Cast floating tensors to `dtype`, keeping the fp32 islands in fp32 (or float64)."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            keep = dtype != torch.float64 and any(name.endswith(s) for s in FP32_NAMES)
+            t.data = t.data.to(torch.float32 if keep else dtype)
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every tensor (for training from scratch); loading a checkpoint overwrites it.
+
+        | tensor | init |
+        |---|---|
+        | Linear weights, embedding, experts w1/w2/w3 | N(0, 0.02) (`initializer_range`) |
+        | router `gate.weight` | Kaiming-uniform(a=sqrt 5) = U(+-1/sqrt D), as the reference module |
+        | `e_score_correction_bias` | 0 |
+        | all RMSNorm weights, KDA `o_norm` | 1 |
+        | AttnRes `*_res_proj` (pseudo-queries) | 0: uniform mixing at init (AttnRes paper) |
+        | KDA conv weights | U(+-1/sqrt kernel) (PyTorch Conv1d default) |
+        | KDA `dt_bias` | inverse softplus of logU[1e-3, 1e-1] (FLA) |
+        | KDA `A_log` | softplus gate: log U[1, 16] per head; bounded gate: 0 (FLA); pads 0 |
+
+        Draws happen in module order from `generator`, so a seed fixes the model exactly.
+        """
+        std = 0.02
+
+        def normal(t):
+            t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float32).mul_(std))
+
+        def uniform(t, lo, hi):
+            t.copy_(torch.rand(t.shape, generator=generator, dtype=torch.float32).mul_(hi - lo).add_(lo))
+
+        for name, mod in self.named_modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                if name.endswith("_res_proj"):
+                    mod.weight.zero_()
+                else:
+                    normal(mod.weight)
+            elif isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+            elif type(mod).__name__ == "Router":
+                bound = 1 / math.sqrt(mod.weight.shape[1])
+                uniform(mod.weight, -bound, bound)
+                mod.e_score_correction_bias.zero_()
+            elif type(mod).__name__ == "Experts":
+                for t in (mod.w1, mod.w3, mod.w2):
+                    normal(t)
+            elif isinstance(mod, KimiDeltaAttention):
+                for conv in (mod.q_conv1d, mod.k_conv1d, mod.v_conv1d):
+                    bound = 1 / math.sqrt(conv.weight.shape[-1])
+                    uniform(conv.weight, -bound, bound)
+                dt = torch.exp(torch.rand(mod.dt_bias.shape, generator=generator)
+                               * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3)).clamp_min(1e-4)
+                mod.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+                mod.A_log.zero_()
+                if mod.lower_bound is None:
+                    heads = torch.rand(mod.num_heads, generator=generator) * 15 + 1
+                    mod.A_log[: mod.num_heads] = torch.log(heads)
+                mod.o_norm.weight.fill_(1.0)
+
+    def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
+                cache: DenseCache | None = None, mla_impl: str | None = None,
+                moe_impl: str = "grouped") -> torch.Tensor:
+        """Token ids [B, T] -> logits [B, T, V].
+
+        Args:
+            seg_BT: optional document index per token of packed rows (non-decreasing per row): KDA
+                state and MLA attention never cross from one document to the next.
+            cache: a `DenseCache` to continue from and extend (prefill or decode).
+            mla_impl: "naive" or "absorbed"; default absorbed when decoding with a cache.
+            moe_impl: "grouped" (fast) or "loop" (reference).
+        """
+        if seg_BT is not None and cache is not None:
+            raise ValueError("packed documents (seg_BT) cannot be combined with a decode cache")
+        if mla_impl is None:
+            mla_impl = "absorbed" if cache is not None else "naive"
+        h_BTD = self.model(input_ids_BT, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, moe_impl=moe_impl)
+        return self.lm_head(h_BTD)
+
+    def new_cache(self) -> DenseCache:
+        return DenseCache(num_layers=self.config.num_hidden_layers)

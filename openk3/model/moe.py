@@ -1,0 +1,76 @@
+"""Stable LatentMoE (spec §4.6) and, without a latent width, Kimi-Linear's plain MoE.
+
+Legend: B batch, T tokens, N = B*T, D hidden, C expert width (latent or D), I expert hidden,
+E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from openk3.config import K3Config
+from openk3.model.layers import GluMLP, RMSNorm
+from openk3.ops import moe as moe_ops
+
+
+class Router(nn.Module):
+    """`gate.weight` [E, D] (used in fp32) and the selection-only `e_score_correction_bias` [E] (fp32).
+
+    The bias is a buffer: it is not trained by gradients but maintained by load balancing.
+    """
+
+    def __init__(self, dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.empty(num_experts, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    """All routed experts of a layer stacked: w1 (gate) and w3 (up) [E, I, C], w2 (down) [E, C, I].
+
+    The file stores them per expert (`experts.{e}.w1.weight`, ...); stacking lets one grouped
+    matmul serve every expert.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: K3Config, glu) -> None:
+        super().__init__()
+        D, C = cfg.hidden_size, cfg.expert_in_dim
+        self.top_k = cfg.num_experts_per_token
+        self.renormalize = cfg.moe_renormalize
+        self.scaling = cfg.routed_scaling_factor
+        self.glu = glu
+        self.gate = Router(D, cfg.num_experts)
+        if cfg.use_latent_moe:
+            self.routed_expert_down_proj = nn.Linear(D, C, bias=False)
+            self.routed_expert_up_proj = nn.Linear(C, D, bias=False)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(C, cfg.rms_norm_eps)
+        self.experts = Experts(cfg.num_experts, C, cfg.moe_intermediate_size)
+        if cfg.num_shared_experts:
+            self.shared_experts = GluMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, glu)
+
+    def forward(self, x_BTD: torch.Tensor, *, impl: str = "grouped") -> torch.Tensor:
+        """x: normed MoE input [B, T, D] -> [B, T, D]. `impl`: "grouped" (fast) or "loop" (reference)."""
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        # The router reads the full-width input, not the latent (spec §4.6 step 4).
+        w_NK, idx_NK, _ = moe_ops.route(x_ND, self.gate.weight, self.gate.e_score_correction_bias, top_k=self.top_k,
+                                        renormalize=self.renormalize, scaling=self.scaling)
+        z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
+        experts = moe_ops.experts_grouped if impl == "grouped" else moe_ops.experts_loop
+        r_NC = experts(z_NC, w_NK, idx_NK, self.experts.w1, self.experts.w3, self.experts.w2, self.glu)
+        if hasattr(self, "routed_expert_norm"):
+            r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection
+        out_ND = self.routed_expert_up_proj(r_NC) if hasattr(self, "routed_expert_up_proj") else r_NC
+        if hasattr(self, "shared_experts"):
+            out_ND = out_ND + self.shared_experts(x_ND)  # full-width input, unweighted
+        return out_ND.view(B, T, D)

@@ -1,0 +1,93 @@
+"""Multi-head latent attention (NoPE), two exact forms: naive (expanded K/V) and absorbed (latent).
+
+Legend: B batch, T query tokens, S key tokens (cached + new), H heads, C latent width (kv_lora_rank),
+Dn nope dims, Dr shared "rope" dims (never rotated in K3), Dv value dims.
+
+Both forms take the *normalised* latent `ckv_BSC` and the raw shared key part `kpe_BSR` — exactly
+what a decode cache stores (576 values per token and layer in K3) — so a cache can feed either.
+`mla_attention_naive` expands per-head K/V with `kv_b_proj` (the HF reference, our training path);
+`mla_attention_absorbed` folds `kv_b_proj` into the query and the output (DeepSeek's absorb trick,
+spec §4.5), which is what makes decode read only the latent. Tests prove them equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openk3.common import upcast
+
+
+def attention_mask(num_q: int, num_k: int, *, doc_q_BT: torch.Tensor | None = None,
+                   doc_k_BS: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """Boolean [B or 1, T, S] mask, True where query t may attend key s.
+
+    Queries are the last `num_q` of the `num_k` positions (causal with an offset, as in chunked
+    prefill or decode). With document ids, attention is block-diagonal: a token never sees another
+    document of a packed row.
+    """
+    offset = num_k - num_q
+    q_pos = torch.arange(num_q, device=device)[:, None] + offset
+    k_pos = torch.arange(num_k, device=device)[None, :]
+    mask_TS = (k_pos <= q_pos)[None]
+    if doc_q_BT is not None:
+        assert doc_k_BS is not None
+        mask_TS = mask_TS & (doc_q_BT[:, :, None] == doc_k_BS[:, None, :])
+    return mask_TS
+
+
+def _softmax(scores_BHTS: torch.Tensor, mask_BTS: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    scores_BHTS = upcast(scores_BHTS)
+    if mask_BTS is not None:
+        scores_BHTS = scores_BHTS.masked_fill(~mask_BTS[:, None], float("-inf"))
+    # fp32 softmax, probabilities back in the activation dtype (the eager reference, spec §4.8).
+    return torch.softmax(scores_BHTS, dim=-1).to(out_dtype)
+
+
+def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: torch.Tensor, w_kv_b: torch.Tensor,
+                        *, v_head_dim: int, scale: float, mask_BTS: torch.Tensor | None) -> torch.Tensor:
+    """Reference MLA: expand the latent to per-head keys and values, then softmax attention.
+
+    Args:
+        q_BTHD: queries [B, T, H, Dn + Dr], nope part first.
+        ckv_BSC: RMS-normalised KV latent of every key position [B, S, C].
+        kpe_BSR: shared un-rotated key dims [B, S, Dr], broadcast to all heads.
+        w_kv_b: `kv_b_proj.weight` [H * (Dn + Dv), C]; per head Dn key rows then Dv value rows.
+        v_head_dim: Dv.
+        scale: softmax scale, (Dn + Dr) ** -0.5 in K3.
+        mask_BTS: boolean mask (see `attention_mask`), or None for no masking.
+
+    Returns:
+        [B, T, H, Dv] in the dtype of `q_BTHD`.
+    """
+    B, T, H, D = q_BTHD.shape
+    S, Dr = kpe_BSR.shape[1], kpe_BSR.shape[-1]
+    Dn = D - Dr
+    kv_BSHE = (ckv_BSC @ w_kv_b.t()).view(B, S, H, Dn + v_head_dim)
+    k_nope_BSHN, v_BSHV = kv_BSHE.split([Dn, v_head_dim], dim=-1)
+    k_BSHD = torch.cat([k_nope_BSHN, kpe_BSR[:, :, None, :].expand(B, S, H, Dr)], dim=-1)
+    scores_BHTS = torch.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD) * scale
+    p_BHTS = _softmax(scores_BHTS, mask_BTS, q_BTHD.dtype)
+    return torch.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
+
+
+def mla_attention_absorbed(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: torch.Tensor,
+                           w_kv_b: torch.Tensor, *, v_head_dim: int, scale: float,
+                           mask_BTS: torch.Tensor | None) -> torch.Tensor:
+    """MLA with `kv_b_proj` absorbed: attention runs over the C + Dr latent, shared by all heads.
+
+    Same arguments and result as `mla_attention_naive`. Cost per key is O(H * (C + Dr)) instead of
+    expanding every cached key to H * (Dn + Dr + Dv) values, which is why decode uses it.
+    """
+    B, T, H, D = q_BTHD.shape
+    Dr = kpe_BSR.shape[-1]
+    Dn = D - Dr
+    C = ckv_BSC.shape[-1]
+    w_HEC = w_kv_b.view(H, Dn + v_head_dim, C)
+    w_uk_HNC, w_uv_HVC = w_HEC.split([Dn, v_head_dim], dim=1)
+    q_nope_BTHN, q_pe_BTHR = q_BTHD.split([Dn, Dr], dim=-1)
+    q_lat_BTHC = torch.einsum("bthn,hnc->bthc", q_nope_BTHN, w_uk_HNC)
+    scores_BHTS = (torch.einsum("bthc,bsc->bhts", q_lat_BTHC, ckv_BSC)
+                   + torch.einsum("bthr,bsr->bhts", q_pe_BTHR, kpe_BSR)) * scale
+    p_BHTS = _softmax(scores_BHTS, mask_BTS, q_BTHD.dtype)
+    o_lat_BTHC = torch.einsum("bhts,bsc->bthc", p_BHTS, ckv_BSC)
+    return torch.einsum("bthc,hvc->bthv", o_lat_BTHC, w_uv_HVC)

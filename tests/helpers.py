@@ -1,0 +1,30 @@
+"""Shared test helpers (importable as `from helpers import ...`; conftest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
+    """||got - ref||_rms / ||ref||_rms in float64 (0 when both are exactly zero)."""
+    ref64, got64 = ref.detach().double(), got.detach().double()
+    err = (got64 - ref64).pow(2).mean().sqrt().item()
+    base = ref64.pow(2).mean().sqrt().item()
+    if base == 0.0:
+        return err
+    return err / base
+
+
+def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, ratio: float) -> None:
+    """Assert `got` matches `ref` to a relative RMS error <= `ratio` (FLA's `assert_close` idea).
+
+    Shapes must match exactly and `got` must be finite wherever `ref` is, so a NaN from an
+    uninitialised buffer or an overflow fails loudly instead of being averaged away.
+    """
+    assert ref.shape == got.shape, f"{name}: shape {tuple(got.shape)} != reference {tuple(ref.shape)}"
+    finite = torch.isfinite(ref)
+    bad = (~torch.isfinite(got) & finite).sum().item()
+    assert bad == 0, f"{name}: {bad} non-finite values where the reference is finite"
+    err = rel_rms_error(ref[finite], got[finite])
+    abs_max = (ref[finite].double() - got[finite].double()).abs().max().item() if finite.any() else 0.0
+    assert err <= ratio, f"{name}: relative RMS error {err:.3e} > {ratio:.1e} (max abs diff {abs_max:.3e})"

@@ -1,0 +1,120 @@
+"""MLA: the absorbed form equals the naive (expanded K/V) form, outputs and gradients (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close
+
+from openk3.ops.mla import attention_mask, mla_attention_absorbed, mla_attention_naive
+
+H, DN, DR, DV, C = 3, 8, 4, 6, 10
+
+
+def _inputs(B, T, S, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, DN + DR, generator=g, dtype=dtype)
+    ckv = torch.randn(B, S, C, generator=g, dtype=dtype)
+    kpe = torch.randn(B, S, DR, generator=g, dtype=dtype)
+    w = torch.randn(H * (DN + DV), C, generator=g, dtype=dtype) / C**0.5
+    return [t.requires_grad_() for t in (q, ckv, kpe, w)]
+
+
+def _docs(B, S, lengths):
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    assert seg.numel() == S
+    return seg.expand(B, S)
+
+
+CASES = {
+    # id: (B, T, S, mask kind, document lengths)
+    "causal-T7-S7": (2, 7, 7, "causal", None),
+    "offset-T5-S13": (1, 5, 13, "causal", None),
+    "offset-T1-S9": (2, 1, 9, "causal", None),
+    "nomask-T1-S11": (2, 1, 11, None, None),
+    "docs-T15-S15": (2, 15, 15, "docs", (4, 1, 7, 3)),
+    "docs-offset-T6-S17": (1, 6, 17, "docs", (9, 5, 3)),
+}
+
+
+def _mask(B, T, S, kind, docs):
+    if kind is None:
+        return None
+    if kind == "causal":
+        return attention_mask(T, S)
+    seg = _docs(B, S, docs)
+    return attention_mask(T, S, doc_q_BT=seg[:, S - T:], doc_k_BS=seg)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_absorbed_equals_naive(case):
+    B, T, S, kind, docs = CASES[case]
+    q, ckv, kpe, w = _inputs(B, T, S, seed=len(case))
+    mask = _mask(B, T, S, kind, docs)
+    kw = dict(v_head_dim=DV, scale=(DN + DR) ** -0.5, mask_BTS=mask)
+    ref = mla_attention_naive(q, ckv, kpe, w, **kw)
+    got = mla_attention_absorbed(q, ckv, kpe, w, **kw)
+    assert ref.shape == (B, T, H, DV) and ref.dtype == torch.float64
+    assert_close(f"{case} out", ref, got, 1e-12)
+    do = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), do)
+    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), do)
+    for name, a, b in zip(("dq", "dckv", "dkpe", "dw_kv_b"), g_ref, g_got):
+        assert_close(f"{case} {name}", a, b, 1e-12)
+
+
+def test_attention_mask_semantics():
+    m = attention_mask(3, 5)[0]
+    expect = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    assert torch.equal(m, expect)
+    seg = _docs(1, 5, (2, 3))
+    m = attention_mask(5, 5, doc_q_BT=seg, doc_k_BS=seg)[0]
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+                          dtype=torch.bool)
+    assert torch.equal(m, expect)
+
+
+def test_naive_matches_per_head_loop():
+    """An independent, obviously correct reference: expand each head's K and V by hand, softmax, loop."""
+    B, T, S = 2, 4, 9
+    q, ckv, kpe, w = (t.detach() for t in _inputs(B, T, S, seed=7))
+    seg = _docs(B, S, (3, 6))
+    mask = attention_mask(T, S, doc_q_BT=seg[:, S - T:], doc_k_BS=seg)
+    scale = (DN + DR) ** -0.5
+    out = torch.zeros(B, T, H, DV, dtype=torch.float64)
+    for b in range(B):
+        for h in range(H):
+            w_k = w[h * (DN + DV):h * (DN + DV) + DN]  # [DN, C] key rows of head h
+            w_v = w[h * (DN + DV) + DN:(h + 1) * (DN + DV)]  # [DV, C] value rows
+            keys = torch.cat([ckv[b] @ w_k.T, kpe[b]], dim=-1)  # [S, DN + DR]; kpe shared by heads
+            values = ckv[b] @ w_v.T  # [S, DV]
+            for t in range(T):
+                s = (keys @ q[b, t, h]) * scale
+                s = torch.where(mask[b, t], s, torch.tensor(float("-inf"), dtype=s.dtype))
+                p = torch.exp(s - s.max())
+                p = p / p.sum()
+                out[b, t, h] = p @ values
+    got = mla_attention_naive(q, ckv, kpe, w, v_head_dim=DV, scale=scale, mask_BTS=mask)
+    assert_close("naive vs per-head loop", out, got, 1e-12)
+    got = mla_attention_absorbed(q, ckv, kpe, w, v_head_dim=DV, scale=scale, mask_BTS=mask)
+    assert_close("absorbed vs per-head loop", out, got, 1e-12)
+
+
+def test_float32_and_bfloat16_agree_loosely():
+    """The absorbed form in the activation dtype stays close to the float64 naive result."""
+    B, T, S = 1, 6, 11
+    q, ckv, kpe, w = (t.detach() for t in _inputs(B, T, S, seed=3))
+    kw = dict(v_head_dim=DV, scale=(DN + DR) ** -0.5, mask_BTS=attention_mask(T, S))
+    ref = mla_attention_naive(q, ckv, kpe, w, **kw)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+        got = mla_attention_absorbed(*(t.to(dtype) for t in (q, ckv, kpe, w)), **kw)
+        assert got.dtype == dtype
+        assert_close(f"absorbed {dtype}", ref, got, tol)
+
+
+def test_single_query_without_mask_sees_every_key():
+    """Decode passes mask None for T = 1: the same as the causal mask with the query last."""
+    q, ckv, kpe, w = (t.detach() for t in _inputs(2, 1, 8, seed=11))
+    kw = dict(v_head_dim=DV, scale=(DN + DR) ** -0.5)
+    ref = mla_attention_naive(q, ckv, kpe, w, mask_BTS=attention_mask(1, 8), **kw)
+    assert_close("T=1 mask None", ref, mla_attention_absorbed(q, ckv, kpe, w, mask_BTS=None, **kw), 1e-12)
