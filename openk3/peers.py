@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+_BOS = 163584  # `[BOS]` of the Kimi tokenizer (config.json); K3Config keeps it only as metadata
+
 __all__ = ["check_kimi_linear_form", "to_transformers", "to_transformers_state_dict", "transformers_config"]
 
 
@@ -82,7 +84,7 @@ def transformers_config(cfg, *, attn_implementation: str = "eager"):
         topk_group=cfg.topk_group, num_experts=cfg.num_experts, num_experts_per_token=cfg.num_experts_per_token,
         moe_renormalize=cfg.moe_renormalize, hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        pad_token_id=None, bos_token_id=_token_id(cfg.extra.get("bos_token_id"), cfg.vocab_size),
+        pad_token_id=None, bos_token_id=_token_id(cfg.extra.get("bos_token_id", _BOS), cfg.vocab_size),
         eos_token_id=_token_id(cfg.eos_token_id, cfg.vocab_size), tie_word_embeddings=False,
         layer_types=["full_attention" if cfg.is_mla_layer(i) else "linear_attention" for i in range(L)],
         mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(L)],

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from helpers import rel_rms_error  # noqa: E402
 
-from openk3.config import as_kimi_linear, nano  # noqa: E402
+from openk3.config import as_kimi_linear, kimi_linear_48b, nano  # noqa: E402
 from openk3.model.model import K3ForCausalLM  # noqa: E402
 from openk3.peers import to_transformers, to_transformers_state_dict, transformers_config  # noqa: E402
 
@@ -65,6 +65,19 @@ def test_config_layout():
     assert hf.mlp_layer_types == ["dense"] + ["sparse"] * 4
     assert (hf.num_local_experts, hf.num_experts_per_tok, hf.n_shared_experts) == (32, 4, 2)
     assert (hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim) == (4, 32, 4)
+
+
+def test_config_48b_matches_transformers_defaults():
+    """transformers' KimiLinearConfig defaults are the 48B's; ours must agree on every shape and routing field."""
+    from transformers import KimiLinearConfig
+
+    ours, theirs = transformers_config(kimi_linear_48b()).to_dict(), KimiLinearConfig().to_dict()
+    # layer_types: transformers' fallback puts full attention at 0-idx 4, 8, ...; the 48B file says 1-idx
+    # 4, 8, ..., 24, 27, which we pass explicitly. pad_token_id: we drop it (an embedding padding_idx).
+    skip = {"layer_types", "linear_attn_config", "first_k_dense_replace", "pad_token_id"}
+    diff = {k: (ours.get(k), theirs.get(k)) for k in (set(ours) | set(theirs)) - skip if ours.get(k) != theirs.get(k)}
+    assert not diff
+    assert [i + 1 for i, t in enumerate(ours["layer_types"]) if t == "full_attention"] == [4, 8, 12, 16, 20, 24, 27]
 
 
 @pytest.mark.parametrize("q_lora_rank, T", [(64, 37), (None, 37), (64, 131)], ids=["qlora", "no-qlora", "3-chunks"])

@@ -31,6 +31,8 @@ _SUBTILE = 16  # longest run of tokens whose decays are factorised around one re
 
 def _check_inputs(q, k, v, g, beta, initial_state, doc_start) -> None:
     B, T, H, K = q.shape
+    if T < 1:
+        raise ValueError("KDA needs at least one token (T >= 1)")
     if k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"q, k, g must share shape [B, T, H, K]; got {q.shape}, {k.shape}, {g.shape}")
     if v.shape[:3] != (B, T, H) or beta.shape != (B, T, H):
@@ -114,6 +116,10 @@ def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], -1, C, *x.shape[3:])
 
 
+# Log-decays below this give subnormal or zero exp(); see `_exp`.
+_EXP_FLOOR = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}  # -86.3, -707.4
+
+
 def _exp_limit(dtype: torch.dtype) -> float:
     """Largest e such that a product exp(e) * exp(e), summed over K terms, stays finite in `dtype` (40.4 fp32)."""
     return 0.5 * (math.log(torch.finfo(dtype).max) - 8.0)
@@ -127,9 +133,6 @@ def _exp(x: torch.Tensor) -> torch.Tensor:
     matters. The floor changes a result of at most ~1e-37 (fp32) / ~1e-307 (fp64) into about that value.
     """
     return x.clamp(min=_EXP_FLOOR[x.dtype]).exp()
-
-
-_EXP_FLOOR = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}  # -86.3, -707.4
 
 
 def _block_diagonal(x_PLL: torch.Tensor) -> torch.Tensor:
@@ -315,11 +318,24 @@ def _kda_varlen(kernel, q, k, v, g, beta, *, scale, initial_state, doc_start):
 def kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None, chunk_size: int = 64):
     """KDA for training and prefill: fla's fused `chunk_kda` on CUDA when fla is installed, else `kda_chunked`.
 
-    Same arguments and results as `kda_chunked` (`chunk_size` only affects the fallback). fla is called with
-    pre-normalised q/k, log-space g, post-sigmoid beta and the default [K, V] state layout, like ours; packed
-    documents become `cu_seqlens` sequences.
+    fla is called with pre-normalised q/k, log-space g, post-sigmoid beta and its default [K, V] state layout,
+    which are our conventions; packed documents become `cu_seqlens` sequences. fla is imported lazily, on the
+    first CUDA call, and never for float64 (its kernels do not take it).
+
+    Args:
+        q, k: [B, T, H, K], L2-normalised.
+        v: [B, T, H, V].
+        g: log-decay [B, T, H, K], <= 0 and finite.
+        beta: [B, T, H], in (0, 1).
+        scale: multiplies q.
+        initial_state: [B, H, K, V] or None (zeros); reaches only the tokens before the row's first doc_start.
+        doc_start: optional bool [B, T]; True resets the state to zero just before that token.
+        chunk_size: chunk length of the `kda_chunked` fallback (fla uses its own).
+
+    Returns:
+        (o [B, T, H, V], final state [B, H, K, V]), both in q's dtype.
     """
-    kernel = _fla_chunk_kda() if q.is_cuda else None
+    kernel = _fla_chunk_kda() if q.is_cuda and q.dtype != torch.float64 else None
     if kernel is None:
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, doc_start=doc_start,
                            chunk_size=chunk_size)
