@@ -4,6 +4,7 @@ fla's `naive_chunk_kda` is loaded from its file (fla itself needs triton, which 
 installed, `kda_recurrent` is timed instead as the baseline. Usage:
 
     python benchmarks/bench_kda.py --threads 1 --repeats 5 --T 2048 --H 4 --D 64
+    python benchmarks/bench_kda.py --threads 1 --repeats 7 --T 512 --H 6 --baseline autograd
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openk3.ops.kda import kda_chunked, kda_recurrent  # noqa: E402
+from openk3.ops.kda import CHUNK_SIZE, _kda_chunked_autograd, kda_chunked, kda_recurrent  # noqa: E402
 
 
 def load_fla_naive():
@@ -74,7 +75,10 @@ def main() -> None:
     parser.add_argument("--T", type=int, default=2048)
     parser.add_argument("--H", type=int, default=4)
     parser.add_argument("--D", type=int, default=64, help="head dim (K = V)")
-    parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=CHUNK_SIZE, help="chunk size (default: kda_chunked's)")
+    parser.add_argument("--baseline", choices=["fla", "autograd", "none"], default="fla",
+                        help="what to compare against: fla's naive_chunk_kda (kda_recurrent if fla is missing), "
+                        "kda_chunked differentiated by autograd (its pre-custom-backward twin), or nothing")
     parser.add_argument("--gate", choices=["logsigmoid", "k3"], default="logsigmoid", help="log-decay distribution")
     args = parser.parse_args()
 
@@ -88,12 +92,17 @@ def main() -> None:
 
     ours = time_fwd_bwd(lambda *x: kda_chunked(*x, scale=scale, chunk_size=C), inputs, args.repeats)
     rows = [("openk3 kda_chunked", *ours)]
-    naive = load_fla_naive()
-    if naive is None:
+    naive = load_fla_naive() if args.baseline == "fla" else None
+    if args.baseline == "autograd":
+        base_name = "kda_chunked autograd"
+        base = time_fwd_bwd(lambda *x: _kda_chunked_autograd(*x, scale=scale, chunk_size=C), inputs, args.repeats)
+        rows.append((base_name, *base))
+    elif args.baseline == "fla" and naive is None:
         print("fla not installed: baseline is openk3 kda_recurrent")
         base_name = "openk3 kda_recurrent"
         base = time_fwd_bwd(lambda *x: kda_recurrent(*x, scale=scale), inputs, args.repeats)
-    else:
+        rows.append((base_name, *base))
+    elif args.baseline == "fla":
         base_name = "fla naive_chunk_kda"
         if T % C:
             raise SystemExit(f"naive_chunk_kda needs T % chunk == 0 (T={T}, chunk={C})")
@@ -102,11 +111,13 @@ def main() -> None:
             return naive.naive_chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True, chunk_size=C)
 
         base = time_fwd_bwd(run_naive, inputs, args.repeats)
-    rows.append((base_name, *base))
+        rows.append((base_name, *base))
 
     print(f"{'implementation':<24} {'fwd ms':>9} {'fwd+bwd ms':>11} {'(cpu ms)':>9} {'fwd+bwd tok/s':>14}")
     for name, fwd, total, cpu, _ in rows:
         print(f"{name:<24} {1e3 * fwd:>9.1f} {1e3 * total:>11.1f} {1e3 * cpu:>9.1f} {B * T / total:>14,.0f}")
+    if args.baseline == "none":
+        return
     print(f"speed-up of kda_chunked over {base_name}: fwd+bwd {base[1] / ours[1]:.1f}x "
           f"(cpu time {base[2] / ours[2]:.1f}x), fwd {base[0] / ours[0]:.1f}x")
     print(f"max |o_ours - o_{base_name.split()[-1]}| = {(ours[3] - base[3]).abs().max().item():.2e}")

@@ -13,15 +13,21 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def setup_cpu(threads: int | None = None) -> None:
+def setup_cpu(threads: int | None = None) -> int:
     """Flush denormals (a 50x slowdown of KDA training on CPU otherwise, spec §10.15); set threads.
 
-    `threads` defaults to $OPENK3_THREADS when set, else torch's default.
+    `threads` defaults to $OPENK3_THREADS, else 1 on machines with at most 2 CPUs (a second OpenMP
+    thread stalls for milliseconds per small matmul when the host takes the other vCPU away, which
+    made a nano training step 10x slower on the project's CI machine), else torch's default.
+    Returns the thread count in use.
     """
     torch.set_flush_denormal(True)
     threads = threads or int(os.environ.get("OPENK3_THREADS", "0") or 0)
+    if not threads and (os.cpu_count() or 1) <= 2:
+        threads = 1
     if threads:
         torch.set_num_threads(threads)
+    return torch.get_num_threads()
 
 
 def seed_everything(seed: int) -> torch.Generator:

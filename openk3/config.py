@@ -35,7 +35,7 @@ _WRAPPER_KEYS = frozenset({
     "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
     "media_placeholder_token_id", "image_placeholder", "tie_word_embeddings", "ignore_index",
     "text_config", "vision_config", "auto_map", "transformers_version", "torch_dtype", "dtype",
-    "_name_or_path", "_commit_hash", "use_cache", "initializer_range",
+    "_name_or_path", "_commit_hash", "use_cache", "initializer_range", "quantization_config",
 })
 
 HIDDEN_ACTS = ("situ", "silu")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from openk3.ops import kda as kda_mod
+from openk3.ops import kda_chunked as chunk_mod
 from openk3.ops.kda import kda, kda_chunked, kda_recurrent, kda_step
 
 F64 = torch.float64
@@ -194,13 +195,13 @@ def test_doc_start_gradients_chunked_vs_recurrent():
 def pairwise_calls(monkeypatch):
     """Counts calls of the exact pairwise fallback used for tiles whose decay is too steep to factorise."""
     calls = []
-    original = kda_mod._pairwise_tiles
+    original = chunk_mod._pairwise_tiles
 
     def counting(*args):
         calls.append(args[0].shape[0])
         return original(*args)
 
-    monkeypatch.setattr(kda_mod, "_pairwise_tiles", counting)
+    monkeypatch.setattr(chunk_mod, "_pairwise_tiles", counting)
     return calls
 
 
@@ -325,3 +326,74 @@ def test_rejects_bad_shapes():
         kda_chunked(q, k, v, g, beta, scale=1.0, initial_state=torch.zeros(1, 2, 6, 8, dtype=F64))
     with pytest.raises(ValueError, match="doc_start"):
         kda_recurrent(q, k, v, g, beta, scale=1.0, doc_start=torch.zeros(1, 10))
+
+
+@pytest.fixture
+def custom_backward_calls(monkeypatch):
+    """Counts calls of the hand-written chunked backward (kda._chunk_backward)."""
+    calls = []
+    original = chunk_mod._chunk_backward
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(chunk_mod, "_chunk_backward", counting)
+    return calls
+
+
+# (T, chunk, gate, with doc_start): one and several sub-tiles per chunk, T < C, odd T, sub-tiles of 8 (C = 24).
+CUSTOM_CASES = [(1, 16, "softplus", False), (7, 16, "k3", True), (63, 64, "softplus", False),
+                (130, 64, "k3", True), (130, 32, "softplus", True), (50, 24, "k3", False), (97, 48, "k3", True)]
+
+
+@pytest.mark.parametrize(("T", "chunk_size", "gate", "docs"), CUSTOM_CASES,
+                         ids=[f"T{t}-C{c}-{g}{'-docs' if d else ''}" for t, c, g, d in CUSTOM_CASES])
+def test_custom_backward_matches_autograd_twin(T, chunk_size, gate, docs, custom_backward_calls):
+    """The hand-derived backward equals autograd through the same forward (and the recurrence), all inputs."""
+    B, H, K, V = 2, 2, 12, 10
+    inputs = make_inputs(B, T, H, K, V, seed=T + 11, gate=gate) + [make_state(B, H, K, V)]
+    doc_start = None
+    if docs:
+        doc_start = torch.zeros(B, T, dtype=torch.bool)
+        doc_start[0, [0, T // 3, T // 2]] = True
+        doc_start[1, T - 1] = True
+
+    def run(fn):
+        return lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, scale=0.3, initial_state=h0, doc_start=doc_start,
+                                                chunk_size=chunk_size)
+
+    o_twin, s_twin, g_twin = _grads(run(kda_mod._kda_chunked_autograd), inputs)
+    assert not custom_backward_calls
+    o, s, grads = _grads(run(kda_chunked), inputs)
+    assert custom_backward_calls, "kda_chunked must use its hand-written backward on non-steep decays"
+    assert torch.equal(o, o_twin) and torch.equal(s, s_twin)  # one shared forward
+    _, _, g_ref = _grads(run(lambda *a, chunk_size, **kw: kda_recurrent(*a, **kw)), inputs)
+    for name, twin, got, ref in zip(GRAD_NAMES, g_twin, grads, g_ref):
+        assert_close(f"d{name} vs autograd twin", twin, got, 1e-12)
+        assert_close(f"d{name} vs recurrent", ref, got, 1e-10)
+
+
+def test_custom_backward_single_output_and_fp32(custom_backward_calls):
+    """Gradients of o alone and of the final state alone (the other output unused), and fp32 agreement."""
+    B, T, H, K, V = 1, 100, 2, 16, 12
+    for dtype, ratio in ((F64, 1e-12), (torch.float32, 1e-5)):
+        inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=9, gate="k3") + [make_state(B, H, K, V, dtype=dtype)]
+        for pick in (0, 1):
+            grads = []
+            for fn in (kda_chunked, kda_mod._kda_chunked_autograd):
+                xs = [x.detach().clone().requires_grad_() for x in inputs]
+                out = fn(*xs[:5], scale=0.25, initial_state=xs[5], chunk_size=32)[pick]
+                grads.append(torch.autograd.grad(out.square().sum(), xs))
+            for name, got, twin in zip(GRAD_NAMES, *grads):
+                assert_close(f"{dtype} output {pick} d{name}", twin, got, ratio)
+    assert len(custom_backward_calls) == 4
+
+
+def test_steep_decay_falls_back_to_autograd(custom_backward_calls):
+    """Hard resets (-1e4 steps) make sub-tiles steep: the exact pairwise path, differentiated by autograd."""
+    inputs = [x.requires_grad_() for x in make_inputs(1, 40, 2, 8, 8, gate="hard")]
+    o, s = kda_chunked(*inputs, scale=0.3, chunk_size=16)
+    (o.sum() + s.sum()).backward()
+    assert not custom_backward_calls
+    assert all(torch.isfinite(x.grad).all() for x in inputs)

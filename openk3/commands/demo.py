@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=24, help="tokens to decode with the cache")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -31,7 +32,7 @@ def main(args: argparse.Namespace) -> int:
     from openk3.model.accounting import count_params, flops_per_token
     from openk3.model.model import K3ForCausalLM
 
-    setup_cpu(args.threads)
+    threads = setup_cpu(args.threads)
     cfg, name = config_from_args(args)
     if args.seq_len < 2 or args.batch < 1 or args.steps < 0 or args.new_tokens < 1:
         raise ValueError("--seq-len >= 2, --batch >= 1, --steps >= 0 and --new-tokens >= 1 are required")
@@ -39,7 +40,7 @@ def main(args: argparse.Namespace) -> int:
     model = K3ForCausalLM.build(cfg, seed=args.seed)
     counts = count_params(model)
     print(f"[demo] preset {name}: {counts.total:,} parameters, {counts.active:,} active per token; "
-          f"{cfg.num_hidden_layers} layers, MLA at 0-idx {cfg.mla_layers}")
+          f"{cfg.num_hidden_layers} layers, MLA at 0-idx {cfg.mla_layers}; {threads} thread(s)")
 
     # A learnable toy task: each row counts upward from a random start (mod vocab).
     V, T, B = cfg.vocab_size, args.seq_len, args.batch
