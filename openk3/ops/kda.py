@@ -134,20 +134,8 @@ def kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None, c
 
     fla is called with pre-normalised q/k, log-space g, post-sigmoid beta and its default [K, V] state layout,
     which are our conventions; packed documents become `cu_seqlens` sequences. fla is imported lazily, on the
-    first CUDA call, and never for float64 (its kernels do not take it).
-
-    Args:
-        q, k: [B, T, H, K], L2-normalised.
-        v: [B, T, H, V].
-        g: log-decay [B, T, H, K], <= 0 and finite.
-        beta: [B, T, H], in (0, 1).
-        scale: multiplies q.
-        initial_state: [B, H, K, V] or None (zeros); reaches only the tokens before the row's first doc_start.
-        doc_start: optional bool [B, T]; True resets the state to zero just before that token.
-        chunk_size: chunk length of the `kda_chunked` fallback (fla uses its own).
-
-    Returns:
-        (o [B, T, H, V], final state [B, H, K, V]), both in q's dtype.
+    first CUDA call, and never for float64 (its kernels do not take it). Arguments and result as
+    `kda_chunked` (`chunk_size` applies to the `kda_chunked` fallback only; fla uses its own).
     """
     kernel = _fla_chunk_kda() if q.is_cuda and q.dtype != torch.float64 else None
     if kernel is None:
