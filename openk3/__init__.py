@@ -7,7 +7,7 @@ on first use.
 from openk3.config import PRESETS, K3Config, LinearAttnConfig, as_kimi_linear, preset
 
 __version__ = "0.1.0"
-__all__ = ["PRESETS", "K3Config", "K3ForCausalLM", "LinearAttnConfig", "as_kimi_linear", "preset"]
+__all__ = ["PRESETS", "K3Config", "K3ForCausalLM", "LinearAttnConfig", "as_kimi_linear", "load", "preset", "save"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from openk3.model.model import K3ForCausalLM
 
         return K3ForCausalLM
+    if name in ("load", "save"):
+        from openk3 import checkpoint
+
+        return getattr(checkpoint, name)
     raise AttributeError(f"module 'openk3' has no attribute {name!r}")

@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "demo": "build a model, run it, and decode with the cache (the main job until pretraining lands)",
+    "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
 }
 
 

@@ -267,15 +267,38 @@ class K3Config:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k in _METADATA_KEYS and k not in names}
-        unknown = sorted(set(d) - names - _METADATA_KEYS)
+        derived = {k: v for k, v in d.items() if k in _TRANSFORMERS_DERIVED}
+        unknown = sorted(set(d) - names - _METADATA_KEYS - _TRANSFORMERS_DERIVED)
         if unknown:
             hints = [f"{u} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, names, 1)) else u
                      for u in unknown]
             raise ValueError(f"{source}: unknown field(s) {', '.join(hints)}")
+        if "max_position_embeddings" not in kwargs and isinstance(d.get("model_max_length"), int):
+            kwargs["max_position_embeddings"] = d["model_max_length"]  # transformers' spelling of the same field
         if "linear_attn_config" in kwargs:
             kwargs["linear_attn_config"] = _build(LinearAttnConfig, kwargs["linear_attn_config"],
                                                   f"{source}: linear_attn_config")
-        return _build(cls, {**kwargs, "extra": extra}, source)
+        cfg = _build(cls, {**kwargs, "extra": extra}, source)
+        cfg._check_transformers_derived(derived, source)
+        return cfg
+
+    def _check_transformers_derived(self, derived: dict[str, Any], source: str) -> None:
+        """transformers' `save_pretrained` adds fields it derives from the release's ones; they are
+        accepted (and dropped) only when they agree with what openk3 derives."""
+        la = self.linear_attn_config
+        L = range(self.num_hidden_layers)
+        ours = {
+            "layer_types": ["full_attention" if self.is_mla_layer(i) else "linear_attention" for i in L],
+            "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in L],
+            "linear_conv_kernel_dim": la.short_conv_kernel_size,
+            "linear_head_dim": la.head_dim,
+            "linear_num_heads": la.num_heads,
+            "qk_head_dim": self.qk_head_dim,
+        }
+        for key, value in derived.items():
+            if value != ours[key]:
+                raise ValueError(f"{source}: field {key!r} = {value!r} contradicts the release fields, "
+                                 f"which give {ours[key]!r}")
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "K3Config":
@@ -303,6 +326,9 @@ class K3Config:
 
 
 _OPENK3_ONLY = frozenset({"mla_latent_norm_eps"})
+# Fields transformers' KimiLinearConfig derives from the release fields and writes back on save.
+_TRANSFORMERS_DERIVED = frozenset({"layer_types", "mlp_layer_types", "linear_conv_kernel_dim", "linear_head_dim",
+                                   "linear_num_heads", "qk_head_dim"})
 
 
 def _build(cls: type, d: Any, source: str) -> Any:

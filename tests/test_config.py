@@ -274,3 +274,23 @@ def test_state_bytes_k3():
     sb = state_bytes(K3ForCausalLM.build(k3(), device="meta", dtype=torch.bfloat16))
     assert sb["kda_state_bytes_per_sequence"] == 69 * 96 * 128 * 128 * 4
     assert sb["mla_cache_bytes_per_token"] == 24 * 576 * 2 == 27_648
+
+
+def test_transformers_derived_fields_are_checked_then_dropped():
+    """transformers' save_pretrained adds layer_types etc.; they must agree with the release fields."""
+    d = as_kimi_linear(nano()).to_dict()
+    d.pop("max_position_embeddings")
+    derived = {
+        "layer_types": ["full_attention" if i in (3, 7, 8) else "linear_attention" for i in range(9)],
+        "mlp_layer_types": ["dense"] + ["sparse"] * 8,
+        "linear_conv_kernel_dim": 4, "linear_head_dim": 32, "linear_num_heads": 4, "qk_head_dim": 48,
+        "model_max_length": 1234,
+    }
+    cfg = K3Config.from_dict({**d, **derived})
+    assert cfg.max_position_embeddings == 1234  # transformers' spelling of the field
+    assert "layer_types" not in cfg.to_dict()
+    bad = {**d, **derived, "layer_types": ["linear_attention"] * 9}
+    with pytest.raises(ValueError, match="layer_types"):
+        K3Config.from_dict(bad)
+    with pytest.raises(ValueError, match="linear_head_dim"):
+        K3Config.from_dict({**d, "linear_head_dim": 64})

@@ -29,8 +29,19 @@ class ParamCounts:
         return asdict(self)
 
 
+def _expert_weights(moe: SparseMoE) -> int:
+    """Logical weights of a layer's routed experts, stacked or kept packed in MXFP4 (2 codes per byte)."""
+    experts = moe.experts
+    if hasattr(experts, "w1_packed"):
+        return 2 * sum(getattr(experts, f"{w}_packed").numel() for w in ("w1", "w3", "w2"))
+    return sum(p.numel() for p in experts.parameters())
+
+
 def _numel(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters()) + sum(
+    """Stored parameters + correction biases + logical weights of MXFP4-packed experts."""
+    packed = sum(_expert_weights(m) for m in module.modules()
+                 if isinstance(m, SparseMoE) and hasattr(m.experts, "w1_packed"))
+    return packed + sum(p.numel() for p in module.parameters()) + sum(
         b.numel() for name, b in module.named_buffers() if name.endswith("e_score_correction_bias"))
 
 
@@ -43,7 +54,7 @@ def count_params(model) -> ParamCounts:
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, SparseMoE):
-            n = sum(p.numel() for p in moe.experts.parameters())
+            n = _expert_weights(moe)
             routed += n
             routed_active += n * cfg.num_experts_per_token // cfg.num_experts
     active_emb = total - routed + routed_active

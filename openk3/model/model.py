@@ -145,6 +145,8 @@ class K3ForCausalLM(nn.Module):
     def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
         """Cast floating tensors to `dtype`, keeping the fp32 islands in fp32 (or float64)."""
         for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            if not t.is_floating_point():  # MXFP4 codes and scales (uint8) keep their bytes
+                continue
             keep = dtype != torch.float64 and any(name.endswith(s) for s in FP32_NAMES)
             t.data = t.data.to(torch.float32 if keep else dtype)
         return self

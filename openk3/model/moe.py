@@ -66,8 +66,13 @@ class SparseMoE(nn.Module):
         w_NK, idx_NK, _ = moe_ops.route(x_ND, self.gate.weight, self.gate.e_score_correction_bias, top_k=self.top_k,
                                         renormalize=self.renormalize, scaling=self.scaling)
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
-        experts = moe_ops.experts_grouped if impl == "grouped" else moe_ops.experts_loop
-        r_NC = experts(z_NC, w_NK, idx_NK, self.experts.w1, self.experts.w3, self.experts.w2, self.glu)
+        if hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant; lazy import: no cycle)
+            from openk3.quant.packed_experts import experts_packed
+
+            r_NC = experts_packed(z_NC, w_NK, idx_NK, self.experts, self.glu, z_NC.dtype)
+        else:
+            experts = moe_ops.experts_grouped if impl == "grouped" else moe_ops.experts_loop
+            r_NC = experts(z_NC, w_NK, idx_NK, self.experts.w1, self.experts.w3, self.experts.w2, self.glu)
         if hasattr(self, "routed_expert_norm"):
             r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection
         out_ND = self.routed_expert_up_proj(r_NC) if hasattr(self, "routed_expert_up_proj") else r_NC

@@ -1,0 +1,247 @@
+"""`load(path)` and `read_config(path)`: a checkpoint folder -> `K3ForCausalLM` (see `openk3.checkpoint`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from openk3.checkpoint import files
+from openk3.checkpoint.layout import (
+    PREFIX,
+    ST_FLOATS,
+    TORCH_DTYPES,
+    VISION_PREFIXES,
+    Entry,
+    a_log_accepted_shapes,
+    experts_format_of,
+    island_dtype,
+    layout,
+    meta_model,
+)
+from openk3.config import K3Config
+
+LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def read_config(path) -> K3Config:
+    """The text config of a checkpoint folder (or of a config.json path); wrapper fields go to `extra`.
+
+    Raises FileNotFoundError for a path that does not exist, ValueError naming the file (and field)
+    for a folder without config.json or an invalid one.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint folder or config file")
+    if p.is_dir():
+        p = p / "config.json"
+        if not p.exists():
+            raise ValueError(f"{p.parent}: no config.json (not a checkpoint folder?)")
+    try:
+        return K3Config.from_json(p)
+    except (TypeError, KeyError, AttributeError) as e:  # wrong JSON types for a field
+        raise ValueError(f"{p}: invalid config ({type(e).__name__}: {e})") from None
+
+
+def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", *,
+         keep_packed: bool = False):
+    """Build the model of a checkpoint folder and fill it tensor by tensor from its safetensors files.
+
+    Args:
+        dtype: None keeps the on-disk dtypes (trunk dtype = that of `model.embed_tokens.weight`; fp32
+            islands fp32; MXFP4 experts unpacked to the trunk dtype). A dtype casts like
+            `K3ForCausalLM.cast` (islands stay fp32 unless float64).
+        device: where the tensors go (each is moved as it is read; peak host memory ~ one model).
+        keep_packed: MXFP4 experts stay packed (`openk3.quant.PackedExperts`, 4.25 bits/weight) instead
+            of being unpacked (exactly) to `dtype`. No effect on a checkpoint with float experts.
+
+    Raises:
+        FileNotFoundError: `path` does not exist.
+        ValueError: naming file/tensor/field: invalid config.json or index, a missing or corrupt shard,
+            missing/unexpected tensors, wrong shapes or dtypes, a non-zero `A_log` padding.
+    """
+    if dtype is not None and dtype not in LOAD_DTYPES:
+        raise ValueError(f"dtype must be None or one of {LOAD_DTYPES}, got {dtype!r}")
+    folder = Path(path)
+    if folder.is_file() and folder.name == "config.json":
+        folder = folder.parent
+    cfg = read_config(folder)
+    fmt = experts_format_of(cfg, str(folder / "config.json"))
+    prefix = PREFIX if "_wrapper" in cfg.extra else ""
+    wm = files.weight_map(folder)
+    info, handles = files.headers(folder, wm)
+    # canonical name -> name in the file (they differ only for transformers' renamed dense MLP)
+    src = {n: n for n in info} if prefix else _transformers_aliases(cfg, info)
+    info = {canonical: info[name] for canonical, name in src.items()}
+    try:
+        packed_in_memory = fmt == "mxfp4" and keep_packed
+        if fmt == "mxfp4" and not keep_packed:  # the model in memory is not quantised: no stale metadata
+            cfg.extra.pop("quantization_config", None)
+            cfg.extra.get("_wrapper", {}).pop("quantization_config", None)
+        model = meta_model(cfg)
+        entries = layout(cfg, fmt, model)
+        _check(folder, cfg, fmt, prefix, entries, info)
+
+        trunk = dtype or TORCH_DTYPES[info[prefix + "model.embed_tokens.weight"][0]]
+        filler = _Filler(model, cfg, trunk, torch.device(device), packed_in_memory, files.reads_owned_tensors())
+        last = {wm[src[prefix + e.name]]: i for i, e in enumerate(entries)}
+        for i, e in enumerate(entries):
+            name = src[prefix + e.name]
+            file = wm[name]
+            try:
+                t = handles[file].get_tensor(name)
+            except Exception as err:  # I/O or a corrupt data section
+                raise ValueError(f"{folder / file}: cannot read tensor {name} ({err})") from None
+            filler.put(e, t, name)
+            if last[file] == i:  # done with this shard: release it (and its mapping, without pread)
+                handles.pop(file).__exit__(None, None, None)
+    finally:
+        files.close(handles)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:  # pragma: no cover - the layout covers every tensor of the model
+        raise RuntimeError(f"openk3 bug: tensors left unloaded: {left[:10]}")
+    return model
+
+
+_HF_DENSE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight")
+
+
+def _transformers_aliases(cfg: K3Config, info: dict) -> dict[str, str]:
+    """Canonical name -> file name for a bare checkpoint. transformers' `save_pretrained` of KimiLinear
+    writes the dense MLP of the first layers as `block_sparse_moe.{gate,up,down}_proj` (its reverse
+    rename of every `.mlp.`); those are read as `mlp.*` when that layer is dense."""
+    out = {}
+    for name in info:
+        m = _HF_DENSE.fullmatch(name)
+        if m and not cfg.is_moe_layer(int(m[1])):
+            out[f"model.layers.{m[1]}.mlp.{m[2]}_proj.weight"] = name
+        else:
+            out[name] = name
+    return out
+
+
+def _check(folder: Path, cfg: K3Config, fmt: str, prefix: str, entries: list[Entry],
+           info: dict[str, tuple[str, list[int]]]) -> None:
+    """One ValueError listing every missing / unexpected tensor and every wrong shape or dtype."""
+    expected = {prefix + e.name: e for e in entries}
+    present = {n for n in info if not (prefix and n.startswith(VISION_PREFIXES))}  # other towers: set aside
+    missing = sorted(set(expected) - present)
+    unexpected = sorted(present - set(expected))
+    shapes, dtypes = [], []
+    for name in sorted(present & set(expected)):
+        e = expected[name]
+        dt, shape = info[name]
+        ok_shapes = a_log_accepted_shapes(cfg) if e.param.endswith("A_log") else [e.shape]
+        if tuple(shape) not in ok_shapes:
+            shapes.append(f"{name}: expected {' or '.join(str(list(s)) for s in ok_shapes)}, got {shape}")
+        if e.kind in ("packed", "scale"):
+            if dt != "U8":
+                dtypes.append(f"{name}: expected U8 (MXFP4 {'codes' if e.kind == 'packed' else 'scales'}), got {dt}")
+        elif dt not in ST_FLOATS:
+            dtypes.append(f"{name}: expected a float dtype ({'F32' if e.kind == 'island' else 'BF16'} as written "
+                          f"by the release; any of {'/'.join(ST_FLOATS)} is read), got {dt}")
+    if not (missing or unexpected or shapes or dtypes):
+        return
+    form = "kimi_k3 wrapper, `language_model.` prefix" if prefix else "bare kimi_linear, no prefix"
+    lines = [f"{folder}: tensors do not match config.json ({form}; routed experts {fmt}):"]
+    for title, names in (("missing tensors", missing), ("unexpected tensors", unexpected),
+                         ("wrong shape", shapes), ("wrong dtype", dtypes)):
+        if names:
+            lines.append(f"  {title} ({len(names)}): {files._some(names)}")
+    lines += _hints(prefix, fmt, missing, unexpected)
+    raise ValueError("\n".join(lines))
+
+
+def _hints(prefix: str, fmt: str, missing: list[str], unexpected: list[str]) -> list[str]:
+    out = []
+    if missing and unexpected:
+        other = {n[len(PREFIX):] if n.startswith(PREFIX) else PREFIX + n for n in unexpected}
+        if len(other & set(missing)) >= len(missing) // 2 + 1:
+            out.append("  hint: the tensor names " + ("lack" if prefix else "carry") + " the `language_model.` "
+                       "prefix; config.json must be " + ("a bare kimi_linear config" if prefix else
+                                                         "a kimi_k3 wrapper config") + " for these files")
+        if any(n.endswith((".weight_packed", ".weight_scale")) for n in (unexpected if fmt == "bf16" else missing)):
+            out.append("  hint: " + ("the experts are MXFP4-packed but config.json has no quantization_config"
+                                     if fmt == "bf16" else "config.json declares MXFP4 (quantization_config) but "
+                                     "the experts are stored as plain weights"))
+    return out
+
+
+class _Filler:
+    """Converts file tensors and assigns them into the meta model; stacks experts layer by layer."""
+
+    def __init__(self, model: nn.Module, cfg: K3Config, trunk: torch.dtype, device: torch.device,
+                 packed_in_memory: bool, owned: bool) -> None:
+        self.model, self.cfg, self.trunk, self.device = model, cfg, trunk, device
+        self.copy = not owned  # tensors that view a file mapping must be copied out of it
+        self.packed_in_memory = packed_in_memory
+        self.stacks: dict[str, list] = {}  # param (or param_packed/_scale) -> [tensor, experts still to fill]
+        self.half: dict[tuple[str, int], torch.Tensor] = {}  # an expert's packed codes awaiting its scales
+        if packed_in_memory:
+            from openk3.quant.packed_experts import PackedExperts
+
+            for mod in list(model.modules()):
+                if type(mod).__name__ == "SparseMoE":
+                    E, I, C = mod.experts.w1.shape
+                    mod.experts = PackedExperts(E, C, I, device="meta")
+
+    @torch.no_grad()
+    def put(self, e: Entry, t: torch.Tensor, name: str) -> None:
+        mod_name, leaf = e.param.rsplit(".", 1)
+        if e.expert is None:
+            if leaf == "A_log":
+                t = self._a_log(t, name)
+            target = island_dtype(self.trunk) if e.kind == "island" else self.trunk
+            self._assign(mod_name, leaf, t.to(device=self.device, dtype=target, copy=self.copy))
+        elif e.kind == "float":
+            self._stack(mod_name, leaf, self.trunk).__getitem__(e.expert).copy_(t)
+            self._done(mod_name, leaf)
+        elif self.packed_in_memory:
+            self._stack(mod_name, f"{leaf}_{e.kind}", torch.uint8).__getitem__(e.expert).copy_(t)
+            self._done(mod_name, f"{leaf}_{e.kind}")
+        else:
+            key = (e.param, e.expert)
+            if e.kind == "packed":
+                self.half[key] = t.clone() if self.copy else t
+                return
+            from openk3.quant.mxfp4 import unpack
+
+            try:
+                w = unpack(self.half.pop(key), t, self.trunk)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+            self._stack(mod_name, leaf, self.trunk)[e.expert].copy_(w)
+            self._done(mod_name, leaf)
+
+    def _a_log(self, t: torch.Tensor, name: str) -> torch.Tensor:
+        """Any accepted on-disk form -> the in-memory [ceil(H/128)*128] with exact-zero pads."""
+        H = self.cfg.linear_attn_config.num_heads
+        flat = t.reshape(-1)
+        if flat.numel() > H and bool((flat[H:] != 0).any()):
+            raise ValueError(f"{name}: entries {H}..{flat.numel() - 1} must be exactly 0: A_log holds one value per "
+                             f"head ({H} heads), zero-padded; a non-zero tail means a different (per-channel) layout")
+        out = torch.zeros(self.cfg.a_log_size, dtype=flat.dtype)
+        out[:H] = flat[:H]
+        return out
+
+    def _stack(self, mod_name: str, leaf: str, dtype: torch.dtype) -> torch.Tensor:
+        key = f"{mod_name}.{leaf}"
+        if key not in self.stacks:
+            meta = getattr(self.model.get_submodule(mod_name), leaf)
+            self.stacks[key] = [torch.empty(meta.shape, dtype=dtype, device=self.device), meta.shape[0]]
+        return self.stacks[key][0]
+
+    def _done(self, mod_name: str, leaf: str) -> None:
+        key = f"{mod_name}.{leaf}"
+        self.stacks[key][1] -= 1
+        if self.stacks[key][1] == 0:
+            self._assign(mod_name, leaf, self.stacks.pop(key)[0])
+
+    def _assign(self, mod_name: str, leaf: str, t: torch.Tensor) -> None:
+        mod = self.model.get_submodule(mod_name)
+        if leaf in mod._parameters:
+            mod._parameters[leaf] = nn.Parameter(t, requires_grad=mod._parameters[leaf].requires_grad)
+        else:
+            mod._buffers[leaf] = t

@@ -1,0 +1,120 @@
+"""`save(model, path)`: a HF-style checkpoint folder, written atomically (see `openk3.checkpoint`)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from openk3.checkpoint import files
+from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_files, layout
+
+SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def save(model, path, *, wrapper: bool | None = None, experts_format: str = "bf16",
+         dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `model` (a `K3ForCausalLM`, experts plain or `PackedExperts`) as a checkpoint folder.
+
+    Args:
+        path: the folder; replaced atomically if it exists (files in it that a save does not write,
+            e.g. tokenizer files, are carried over).
+        wrapper: True = top-level `kimi_k3` config.json and `language_model.`-prefixed tensors (the
+            release); False = bare `kimi_linear` config (Kimi-Linear-48B style). None = wrapper iff
+            the config uses K3-only Block AttnRes or was read from a wrapper.
+        experts_format: "bf16" (routed experts as `dtype` floats) or "mxfp4" (compressed-tensors
+            `weight_packed`/`weight_scale`, spec §6; experts held packed are written bit for bit,
+            float experts are quantised with `openk3.quant.mxfp4.pack`).
+        dtype: on-disk dtype of every tensor except the fp32 islands and MXFP4 bytes (float32 gives a
+            lossless copy of an fp32 model).
+        max_shard_bytes: above this many tensor bytes, write `model-0000i-of-0000N.safetensors`
+            shards plus `model.safetensors.index.json`.
+
+    Raises:
+        ValueError: on a bad argument, a model whose tensors disagree with its config, or a `path`
+            that is an existing file.
+    """
+    if experts_format not in EXPERTS_FORMATS:
+        raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        raise ValueError(f"save expects an openk3 K3ForCausalLM (with .config), got {type(model).__name__}")
+    if wrapper is None:
+        wrapper = cfg.use_attn_res or "_wrapper" in cfg.extra
+    prefix = PREFIX if wrapper else ""
+    sources = _Sources(model, dtype)
+    items = [(prefix + e.name, e.shape, e.disk_dtype(dtype), sources.producer(e)) for e in layout(cfg, experts_format)]
+    config, generation = config_files(cfg, wrapper=bool(wrapper), experts_format=experts_format, dtype=dtype)
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path}: exists and is not a folder; a checkpoint is a folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.clean_leftovers(path)
+    tmp = files.temp_sibling(path, "tmp")
+    tmp.mkdir()
+    try:
+        files.write_json(tmp / "config.json", config)
+        files.write_json(tmp / "generation_config.json", generation)
+        files.write_weights(tmp, items, max_shard_bytes)
+        files.swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class _Sources:
+    """Produces each file tensor from the model on demand (one at a time: no second model copy)."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
+        self.packs: dict[tuple[str, int], list] = {}  # (param, expert) -> [packed, scale, uses left]
+
+    def producer(self, e: Entry) -> Callable[[], torch.Tensor]:
+        mod_name, leaf = e.param.rsplit(".", 1)
+        target = e.disk_dtype(self.dtype)
+        if e.expert is None:
+            return lambda: self._plain(mod_name, leaf, e, target)
+        return lambda: self._expert(mod_name, leaf, e, target)
+
+    @torch.no_grad()
+    def _plain(self, mod_name: str, leaf: str, e: Entry, target: torch.dtype) -> torch.Tensor:
+        t = getattr(self.model.get_submodule(mod_name), leaf).detach()
+        if leaf != "A_log":
+            return t.to(target)
+        H = self.model.config.linear_attn_config.num_heads
+        if e.shape == tuple(t.shape):  # K3 form: padded, pads written as exact zeros (spec §2)
+            out = t.to(target, copy=True)
+            out[H:] = 0
+            return out
+        return t[:H].to(target).reshape(e.shape)
+
+    @torch.no_grad()
+    def _expert(self, mod_name: str, leaf: str, e: Entry, target: torch.dtype) -> torch.Tensor:
+        mod = self.model.get_submodule(mod_name)
+        held_packed = hasattr(mod, f"{leaf}_packed")
+        if e.kind == "float":
+            if held_packed:
+                from openk3.quant.mxfp4 import unpack
+
+                return unpack(getattr(mod, f"{leaf}_packed")[e.expert], getattr(mod, f"{leaf}_scale")[e.expert],
+                              target)
+            return getattr(mod, leaf)[e.expert].detach().to(target)
+        if held_packed:
+            return getattr(mod, f"{leaf}_{e.kind}")[e.expert]
+        key = (e.param, e.expert)
+        if key not in self.packs:
+            from openk3.quant.mxfp4 import pack
+
+            self.packs[key] = [*pack(getattr(mod, leaf)[e.expert].detach()), 2]
+        slot = self.packs[key]
+        slot[2] -= 1
+        if slot[2] == 0:
+            del self.packs[key]
+        return slot[0] if e.kind == "packed" else slot[1]

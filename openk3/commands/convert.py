@@ -1,0 +1,47 @@
+"""`openk3 convert SRC DST`: rewrite a checkpoint folder with other expert or config formats.
+
+    openk3 convert runs/k3-bf16 runs/k3-mxfp4 --experts mxfp4     # pack routed experts (RNE, OCP MX)
+    openk3 convert ckpt-mxfp4 ckpt-bf16 --experts bf16             # unpack (lossless)
+    openk3 convert ckpt ckpt-bare --bare                           # kimi_k3 wrapper -> bare kimi_linear config
+    openk3 convert ckpt ckpt-k3 --wrapper                          # and back (tensors gain `language_model.`)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="checkpoint folder to read")
+    p.add_argument("dst", help="folder to write (replaced atomically if it exists)")
+    p.add_argument("--experts", choices=["bf16", "mxfp4"], default=None,
+                   help="routed-expert format to write (default: as in SRC)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--wrapper", action="store_true", help="write a top-level kimi_k3 config.json")
+    form.add_argument("--bare", action="store_true", help="write a bare kimi_linear config.json")
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the non-fp32 tensors")
+    p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB")
+
+
+def main(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from openk3.checkpoint import load, read_config, save
+
+    if os.path.abspath(args.src) == os.path.abspath(args.dst):
+        raise ValueError("SRC and DST must differ (the write is atomic, but reading needs SRC intact)")
+    cfg = read_config(args.src)
+    packed = "quantization_config" in cfg.extra
+    experts = args.experts or ("mxfp4" if packed else "bf16")
+    wrapper = True if args.wrapper else False if args.bare else None
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    # Packed -> packed keeps the codes as they are (re-packing would be exact too, but may pick other bytes).
+    model = load(args.src, dtype=None if args.dtype == "bf16" else dtype, keep_packed=packed and experts == "mxfp4")
+    save(model, args.dst, wrapper=wrapper, experts_format=experts, dtype=dtype,
+         max_shard_bytes=int(args.max_shard_gb * 2**30))
+    print(f"[convert] {args.src} -> {args.dst}: experts {experts}, "
+          f"{'kimi_k3 wrapper' if wrapper else 'bare kimi_linear' if wrapper is False else 'config form as before'}, "
+          f"{args.dtype}")
+    return 0
