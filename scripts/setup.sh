@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create ./.venv with the CPU build of torch and openk3 (editable, with test extras). Idempotent:
-# a second run only checks that everything is there.
+# it reinstalls only when pyproject.toml changed since the last install (hash kept in .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,6 +12,9 @@ if ! python -c "import torch" 2>/dev/null; then
   # Pinned so pip takes the CPU wheel; an unpinned torch would download a multi-GB CUDA build.
   pip install -q torch==2.13.0
 fi
-if ! python -c "import openk3, pytest, transformers, safetensors, tqdm" 2>/dev/null; then
+stamp=.venv/.openk3-pyproject.sha256
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import openk3" 2>/dev/null; then
   pip install -q -e ".[dev]"
+  echo "$want" > "$stamp"
 fi
