@@ -48,6 +48,7 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
         self.glu = glu
+        self.record_routing = False  # when True, forward keeps (scores_NE, idx_NK) in `last_routing` (training)
         self.gate = Router(D, cfg.num_experts)
         if cfg.use_latent_moe:
             self.routed_expert_down_proj = nn.Linear(D, C, bias=False)
@@ -63,8 +64,10 @@ class SparseMoE(nn.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         # The router reads the full-width input, not the latent (spec §4.6 step 4).
-        w_NK, idx_NK, _ = moe_ops.route(x_ND, self.gate.weight, self.gate.e_score_correction_bias, top_k=self.top_k,
-                                        renormalize=self.renormalize, scaling=self.scaling)
+        w_NK, idx_NK, scores_NE = moe_ops.route(x_ND, self.gate.weight, self.gate.e_score_correction_bias,
+                                                top_k=self.top_k, renormalize=self.renormalize, scaling=self.scaling)
+        if self.record_routing:
+            self.last_routing = (scores_NE.detach(), idx_NK.detach())
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
         if hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant; lazy import: no cycle)
             from openk3.quant.packed_experts import experts_packed
