@@ -14,6 +14,9 @@ COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "demo": "build a model, run it, and decode with the cache (the main job until pretraining lands)",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
+    "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",
+    "template": "render an OpenAI-style chat request (stdin JSON) in the XTML chat format",
+    "parse": "parse a generated completion (stdin) into reasoning, content and tool calls",
 }
 
 
