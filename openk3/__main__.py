@@ -12,6 +12,7 @@ import sys
 
 COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
+    "train": "pretrain a K3 model (built-in corpus or your data), resumable, with metrics and samples",
     "demo": "build a model, run it, and decode with the cache (the main job until pretraining lands)",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
     "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",

@@ -13,6 +13,12 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
+def fp32_island(t: torch.Tensor):
+    """Context in which autocast is off, so a spec fp32 island (§4.8) stays fp32 inside a bf16
+    autocast region (autocast would otherwise run its matmuls in bf16)."""
+    return torch.autocast(t.device.type, enabled=False)
+
+
 def setup_cpu(threads: int | None = None) -> int:
     """Flush denormals (a 50x slowdown of KDA training on CPU otherwise, spec §10.15); set threads.
 

@@ -419,3 +419,26 @@ def test_rmsnorm_casts_back_before_the_weight():
     expect = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
     got = norm(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, expect)
+
+
+def test_bf16_autocast_keeps_fp32_islands_and_trains():
+    """Under bf16 autocast the spec's fp32 islands (router, AttnRes mix, KDA delta rule) stay fp32:
+    their results equal the no-autocast ones for fp32 inputs, and a training step runs."""
+    from openk3.ops.attnres import attn_res_mix
+    from openk3.ops.moe import route
+
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(7, 32, generator=g), torch.randn(8, 32, generator=g), torch.zeros(8)
+    cands, q = [torch.randn(5, 32, generator=g) for _ in range(3)], torch.randn(32, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r_auto, m_auto = route(x, w, b, top_k=2, renormalize=True, scaling=1.0), attn_res_mix(cands, q, 1e-5)
+    r_ref, m_ref = route(x, w, b, top_k=2, renormalize=True, scaling=1.0), attn_res_mix(cands, q, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(r_auto, r_ref)) and torch.equal(m_auto, m_ref)
+
+    model = K3ForCausalLM.build(nano(), dtype=torch.float32, seed=0)
+    ids = _ids(2, 40, seed=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids)
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(gr).all() for gr in grads)

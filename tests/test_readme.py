@@ -26,13 +26,18 @@ def test_readme_has_main_and_test_commands():
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_readme_main_command_short():
-    """The main job, shortened by passing options through (setup is a no-op once .venv exists)."""
+def test_readme_main_command_short(tmp_path):
+    """The main job (pretraining nano on the built-in corpus), shortened by flags passed through; setup is a
+    no-op once .venv exists."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENK3_THREADS": "1"}
-    r = subprocess.run(["bash", "scripts/main.sh", "--steps", "2", "--seq-len", "16", "--new-tokens", "4"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "agrees with full forwards on 100%" in r.stdout
+    args = ["--out", str(tmp_path / "run"), "--max-steps", "2", "--no-progress", "batch_size=2", "seq_len=32",
+            "data.max_bytes=300000", "sample_tokens=8"]
+    r = subprocess.run(["bash", "scripts/main.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "validation bits per byte" in r.stdout
+    assert "sample" in r.stdout
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_readme_file_tree_is_current():

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from openk3.common import upcast
+from openk3.common import fp32_island, upcast
 from openk3.config import K3Config
 from openk3.model.cache import KDAState
 from openk3.ops import kda as kda_ops
@@ -126,14 +126,8 @@ class KimiDeltaAttention(nn.Module):
             doc_start_BT = torch.zeros_like(seg_BT, dtype=torch.bool)
             doc_start_BT[:, 1:] = seg_BT[:, 1:] != seg_BT[:, :-1]
         s0 = state.recurrent if state is not None else None
-        scale = K ** -0.5
-        if state is not None and T == 1:
-            o_BHK, s1 = kda_ops.kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHK[:, 0], g_BTHK[:, 0], beta_BTH[:, 0],
-                                         scale=scale, state=s0)
-            o_BTHK = o_BHK[:, None]
-        else:
-            o_BTHK, s1 = kda_ops.kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, scale=scale, initial_state=s0,
-                                     doc_start=doc_start_BT)
+        with fp32_island(x_BTD):  # the delta rule and its state are fp32 even under bf16 autocast
+            o_BTHK, s1 = self._delta_rule(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, s0, doc_start_BT, T)
         # Per-head RMSNorm, then the sigmoid output gate, all fp32 (FLA FusedRMSNormGated).
         o_BTHK = o_BTHK * torch.rsqrt(o_BTHK.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
         if hasattr(self, "g_proj"):
@@ -144,3 +138,15 @@ class KimiDeltaAttention(nn.Module):
         out_BTD = self.o_proj(o_BTHK.reshape(B, T, H * K).to(x_BTD.dtype))
         new_state = KDAState(hq, hk, hv, s1) if state is not None else None
         return out_BTD, new_state
+
+    def _delta_rule(self, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, s0, doc_start_BT, T):
+        """Decode step (one token, with a state) or the chunked form (prefill / training)."""
+        scale = self.head_dim ** -0.5
+        if s0 is not None and T == 1:
+            o_BHK, s1 = kda_ops.kda_step(q_BTHK[:, 0], k_BTHK[:, 0], v_BTHK[:, 0], g_BTHK[:, 0], beta_BTH[:, 0],
+                                         scale=scale, state=s0)
+            o_BTHK = o_BHK[:, None]
+        else:
+            o_BTHK, s1 = kda_ops.kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, scale=scale, initial_state=s0,
+                                     doc_start=doc_start_BT)
+        return o_BTHK, s1

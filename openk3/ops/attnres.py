@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from openk3.common import upcast
+from openk3.common import fp32_island, upcast
 
 
 def attn_res_mix(cands: list[torch.Tensor], query_D: torch.Tensor, eps: float) -> torch.Tensor:
@@ -23,8 +23,9 @@ def attn_res_mix(cands: list[torch.Tensor], query_D: torch.Tensor, eps: float) -
         query_D: the site's pseudo-query [D].
         eps: the `*_res_norm` epsilon (rms_norm_eps).
     """
-    v_N_D = torch.stack([upcast(c) for c in cands])
-    k_N_D = v_N_D * torch.rsqrt(v_N_D.pow(2).mean(-1, keepdim=True) + eps)
-    logits_N_ = k_N_D @ upcast(query_D)
-    p_N_ = torch.softmax(logits_N_, dim=0)
-    return (p_N_.unsqueeze(-1) * v_N_D).sum(0).to(cands[-1].dtype)
+    with fp32_island(query_D):
+        v_N_D = torch.stack([upcast(c) for c in cands])
+        k_N_D = v_N_D * torch.rsqrt(v_N_D.pow(2).mean(-1, keepdim=True) + eps)
+        logits_N_ = k_N_D @ upcast(query_D)
+        p_N_ = torch.softmax(logits_N_, dim=0)
+        return (p_N_.unsqueeze(-1) * v_N_D).sum(0).to(cands[-1].dtype)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from openk3.common import upcast
+from openk3.common import fp32_island, upcast
 
 Glu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -27,7 +27,8 @@ def route(x_ND: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, *
     Returns:
         weights_NK (fp32), idx_NK (int64), scores_NE (fp32 sigmoid scores, for balancing).
     """
-    logits_NE = upcast(x_ND) @ upcast(w_router_ED).t()
+    with fp32_island(x_ND):
+        logits_NE = upcast(x_ND) @ upcast(w_router_ED).t()
     scores_NE = torch.sigmoid(logits_NE)
     choice_NE = scores_NE + bias_E.to(scores_NE.dtype)
     idx_NK = torch.topk(choice_NE, k=top_k, dim=-1, sorted=False).indices

@@ -1,0 +1,366 @@
+"""`TrainConfig`: everything a training run needs, as one frozen dataclass with nested sections.
+
+    cfg = TrainConfig(model=preset("nano"), max_steps=200)
+    cfg = apply_overrides(cfg, ["optim.lr=1e-3", "model.hidden_size=64", "data.max_bytes=300000"])
+    cfg.to_json("run/train_config.json"); TrainConfig.from_json("run/train_config.json")
+
+Sections: `model` (a `K3Config`, usually a preset), `optim` (`OptimConfig`), `data` (`DataConfig`);
+the loop's own fields sit at the top level. Overrides are `key=value` strings with dotted keys
+(`model.linear_attn_config.full_attn_layers=[4]`), converted to the declared type of the field:
+int, float, bool (true/false/1/0/yes/no/on/off), str, None (`none`/`null` where the field allows it),
+tuples and lists (`[0.9,0.95]`, `(a,b)` or `a,b`). An unknown key raises a ValueError that lists
+the closest known keys; a value that does not fit raises one naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from openk3.config import K3Config, LinearAttnConfig, preset
+from openk3.data import DataConfig
+from openk3.train.optim import OptimConfig
+
+DTYPES = ("fp32", "bf16")
+SCHEDULES = ("cosine", "wsd", "constant")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: K3Config = field(default_factory=lambda: preset("nano"))
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    preset: str | None = "nano"  # name the model section came from (informational)
+    # loop
+    batch_size: int = 8
+    seq_len: int = 256
+    max_steps: int = 1000
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int | None = 20  # None: the whole validation split
+    save_every: int = 500  # 0: only at the end
+    keep_checkpoints: int | None = None  # None: keep all; N: keep the newest N
+    log_every: int = 10  # console lines; metrics.jsonl gets every step
+    seed: int = 0
+    dtype: str = "fp32"  # "fp32" | "bf16" (autocast; parameters, optimizer state and fp32 islands stay fp32)
+    device: str = "cpu"
+    activation_checkpointing: bool = False
+    # schedule
+    schedule: str = "cosine"
+    warmup: float = 0.01  # < 1: fraction of max_steps; >= 1: steps
+    min_lr_ratio: float = 0.1
+    decay_frac: float = 0.2  # WSD only
+    # balancing and stability
+    qb_rate: float = 1.0  # Quantile Balancing rate; 0 disables QB
+    aux_loss_coef: float = 0.0  # > 0: add the sequence-wise auxiliary balance loss (for comparison)
+    qk_clip: bool = False  # MuonClip with optim.qk_clip_tau
+    # tokenizer and data plumbing
+    tokenizer: str | None = None  # a tokenizer folder; None: train one (model.vocab_size) into <out>/tokenizer
+    cache_dir: str | None = None  # tokenised-data cache; None: <out>/../.cache
+    threads: int | None = None  # None: $OPENK3_THREADS, else 1 on small hosts (`setup_cpu`)
+    peak_flops: float | None = None  # FLOP/s for MFU; None: the CPU table x threads (no figure on CUDA)
+    # end-of-run samples
+    samples: int = 2
+    sample_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        positive = ("batch_size", "seq_len", "log_every", "sample_tokens")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "eval_every", "save_every", "samples"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.eval_batches is not None and self.eval_batches < 1:
+            raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be >= 1 or None, got {self.keep_checkpoints}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.qb_rate < 0 or self.aux_loss_coef < 0:
+            raise ValueError(f"qb_rate and aux_loss_coef must be >= 0, got {self.qb_rate}, {self.aux_loss_coef}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
+
+    # ---- derived ----
+    @property
+    def warmup_steps(self) -> int:
+        return int(round(self.warmup * self.max_steps)) if self.warmup < 1 else int(self.warmup)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    # ---- serialisation ----
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "model":
+                out[f.name] = v.to_dict()
+            elif dataclasses.is_dataclass(v):
+                out[f.name] = dataclasses.asdict(v)
+            else:
+                out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "train config") -> TrainConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{source}: unknown field(s) {_with_hints(unknown, names)}")
+        kwargs: dict[str, Any] = {}
+        hints = typing.get_type_hints(cls)
+        for k, v in d.items():
+            if k == "model":
+                kwargs[k] = K3Config.from_dict(v, source=f"{source}: model")
+            elif k in ("optim", "data"):
+                kwargs[k] = _dataclass_from_dict(hints[k], v, f"{source}: {k}")
+            else:
+                kwargs[k] = _coerce_json(hints[k], v, f"{source}: {k}")
+        return cls(**kwargs)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write atomically (temp file + rename)."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> TrainConfig:
+        try:
+            with open(path) as fh:
+                d = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d, source=str(path))
+
+
+# ---- overrides ------------------------------------------------------------------------------------------
+
+def _with_hints(unknown: list[str], known) -> str:
+    parts = []
+    for u in unknown:
+        close = difflib.get_close_matches(u, list(known), n=3, cutoff=0.5)
+        parts.append(f"{u!r} (did you mean {', '.join(repr(c) for c in close)}?)" if close else repr(u))
+    return ", ".join(parts)
+
+
+def _fields_of(cls: type) -> dict[str, Any]:
+    """Field name -> resolved type annotation of a dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_SECTIONS = {"model": K3Config, "optim": OptimConfig, "data": DataConfig}
+_NESTED = {(K3Config, "linear_attn_config"): LinearAttnConfig}
+
+
+def override_keys() -> list[str]:
+    """Every settable dotted key (what unknown-key suggestions are drawn from)."""
+    keys = []
+    for name in _fields_of(TrainConfig):
+        if name in _SECTIONS:
+            cls = _SECTIONS[name]
+            for sub in _fields_of(cls):
+                if sub == "extra":
+                    continue
+                nested = _NESTED.get((cls, sub))
+                if nested is not None:
+                    keys += [f"{name}.{sub}.{leaf}" for leaf in _fields_of(nested)]
+                else:
+                    keys.append(f"{name}.{sub}")
+        else:
+            keys.append(name)
+    return keys
+
+
+def _resolve(key: str) -> tuple[str, str | None, Any]:
+    """key -> (section or top field, sub-key within the section or None, type)."""
+    parts = key.split(".")
+    head = parts[0]
+    top = _fields_of(TrainConfig)
+    if head in _SECTIONS and len(parts) >= 2:
+        cls = _SECTIONS[head]
+        fields = _fields_of(cls)
+        sub = parts[1]
+        if sub in fields and sub != "extra":
+            nested = _NESTED.get((cls, sub))
+            if nested is None and len(parts) == 2:
+                return head, sub, fields[sub]
+            if nested is not None and len(parts) == 3:
+                nf = _fields_of(nested)
+                if parts[2] in nf:
+                    return head, f"{sub}.{parts[2]}", nf[parts[2]]
+    elif head in top and head not in _SECTIONS and len(parts) == 1:
+        return head, None, top[head]
+    raise ValueError(f"unknown config key {_with_hints([key], override_keys())}")
+
+
+def _split_seq(text: str) -> list[str]:
+    s = text.strip()
+    if len(s) >= 2 and s[0] + s[-1] in ("[]", "()"):
+        s = s[1:-1]
+    return [p.strip() for p in s.split(",") if p.strip()]
+
+
+_ORDER = (bool, int, float, list, tuple, str)
+
+
+def _rank(tp: Any) -> int:
+    o = typing.get_origin(tp) or tp
+    return _ORDER.index(o) if o in _ORDER else len(_ORDER)
+
+
+def parse_value(tp: Any, text: str) -> Any:
+    """`text` converted to annotation `tp` (raises ValueError/TypeError on a mismatch)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if type(None) in args and text.strip().lower() in ("none", "null"):
+            return None
+        order = sorted((a for a in args if a is not type(None)), key=_rank)
+        errors = []
+        for a in order:
+            try:
+                return parse_value(a, text)
+            except (ValueError, TypeError) as e:
+                errors.append(str(e))
+        raise ValueError("; ".join(errors) or "no type fits")
+    if tp is Any:
+        return text
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"not a bool: {text!r}")
+    if tp is int:
+        s = text.strip()
+        try:
+            return int(s)
+        except ValueError:
+            try:
+                f = float(s)  # "1e3"
+            except ValueError:
+                raise ValueError(f"not an integer: {text!r}") from None
+            if not f.is_integer():
+                raise ValueError(f"not an integer: {text!r}") from None
+            return int(f)
+    if tp is float:
+        return float(text.strip())
+    if tp is str:
+        return text
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        items = _split_seq(text)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(items) != len(args):
+                raise ValueError(f"expected {len(args)} items, got {len(items)}")
+            return tuple(parse_value(a, s) for a, s in zip(args, items))
+        elem = args[0] if args else str
+        vals = [parse_value(elem, s) for s in items]
+        return tuple(vals) if origin is tuple else vals
+    raise ValueError(f"cannot set a field of type {tp}")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) if typing.get_origin(tp) is None else str(tp).replace("typing.", "")
+
+
+def _derive_layout(model: K3Config, vals: dict[str, Any]) -> dict[str, Any]:
+    """Layer lists follow a changed depth unless given: `num_hidden_layers` alone re-derives
+    `full_attn_layers` with K3's rule (every 4th layer + the last); a changed `full_attn_layers`
+    re-derives `kda_layers` (the rest)."""
+    vals = dict(vals)
+    if "num_hidden_layers" in vals and "linear_attn_config.full_attn_layers" not in vals:
+        from openk3.config import _hybrid_layers
+
+        vals["linear_attn_config.full_attn_layers"] = _hybrid_layers(vals["num_hidden_layers"])
+    if "linear_attn_config.full_attn_layers" in vals and "linear_attn_config.kda_layers" not in vals:
+        vals["linear_attn_config.kda_layers"] = None
+    return vals
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
+    """A copy of `cfg` with `key=value` overrides applied, typed against the dataclass fields."""
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        head, sub, tp = _resolve(key)
+        try:
+            value = parse_value(tp, text)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"bad value for {key}: {text!r} (expected {_type_name(tp)}: {e})") from None
+        if sub is None:
+            top[head] = value
+        else:
+            sections.setdefault(head, {})[sub] = value
+    changes = dict(top)
+    for head, vals in sections.items():
+        current = getattr(cfg, head)
+        try:
+            if head == "model":
+                changes[head] = current.replace(**_derive_layout(current, vals))
+            else:
+                changes[head] = dataclasses.replace(current, **vals)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"overrides {sorted(f'{head}.{k}' for k in vals)}: {e}") from None
+    try:
+        return dataclasses.replace(cfg, **changes)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"overrides {sorted(changes)}: {e}") from None
+
+
+# ---- JSON coercion (lists back to tuples) -------------------------------------------------------------
+
+def _coerce_json(tp: Any, v: Any, source: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None:
+            return None
+        for a in typing.get_args(tp):
+            if a is type(None):
+                continue
+            if typing.get_origin(a) is tuple and isinstance(v, list):
+                return tuple(v)
+        return v
+    if origin is tuple and isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def _dataclass_from_dict(cls: type, d: Any, source: str) -> Any:
+    if not isinstance(d, dict):
+        raise ValueError(f"{source}: expected an object")
+    fields = _fields_of(cls)
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {_with_hints(unknown, fields)}")
+    return cls(**{k: _coerce_json(fields[k], v, f"{source}.{k}") for k, v in d.items()})

@@ -1,0 +1,210 @@
+"""Checkpoints of a training run: release-format weights + everything else needed to resume exactly.
+
+    <out>/checkpoints/step_000300/   config.json, generation_config.json, model.safetensors (fp32: lossless),
+                                     tokenizer files (when given), trainer_state.pt
+    <out>/checkpoints/latest         "step_000300\\n", replaced atomically after the folder is complete
+
+`trainer_state.pt` (torch.save, loadable with weights_only=True): step, tokens, elapsed, the optimizer
+set's and schedule's state dicts, the data loader's state, RNG states (python, torch CPU and CUDA,
+numpy), the metrics history and the run's config dict.
+
+Atomicity: a checkpoint is written into a hidden temp folder (`.tmp-step_000300-<pid>`), fsynced and
+renamed to its final name, then `latest` is replaced. A kill at any point leaves either the previous
+`latest` or the new one pointing at a complete folder; leftovers of a torn save are removed on resume.
+`find_latest` trusts `latest` only if its folder is complete, else falls back to the newest complete
+`step_*` folder.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+STATE_FILE = "trainer_state.pt"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(out_dir: str | os.PathLike) -> Path:
+    return Path(out_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---- RNG --------------------------------------------------------------------------------------------
+
+def rng_state() -> dict:
+    """Python, numpy, torch CPU (and CUDA when present) RNG states, as tensors/plain containers."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(_tuplify(state["python"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---- save -------------------------------------------------------------------------------------------
+
+def write_trainer_state(path: Path, state: dict) -> None:
+    """torch.save into `path` via a temp file + fsync + rename (a separate function so tests can
+    simulate a kill in the middle of a checkpoint)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        torch.save(state, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *,
+                    extra_files: dict[str, str] | None = None, keep: int | None = None) -> Path:
+    """Write checkpoint `step` (weights via `openk3.save` in fp32, `trainer_state.pt`, `extra_files`
+    {name: source path} copied in), atomically; update `latest`; prune to the newest `keep`."""
+    from openk3.checkpoint import save
+
+    root = checkpoint_root(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        save(model, tmp, dtype=torch.float32)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
+        write_trainer_state(tmp / STATE_FILE, state)
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. the end of a run resumed at its last step)
+            old = root / f".old-{step_dir_name(step)}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _write_atomic(root / LATEST, (final.name + "\n").encode())
+    _fsync_dir(root)
+    if keep is not None:
+        for _, path in list_checkpoints(out_dir)[:-keep]:
+            if path != final:
+                shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+# ---- find and load ----------------------------------------------------------------------------------
+
+def is_complete(path: Path) -> bool:
+    return path.is_dir() and (path / STATE_FILE).is_file() and (path / "config.json").is_file()
+
+
+def list_checkpoints(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete `step_*` checkpoints, oldest first."""
+    root = checkpoint_root(out_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def find_latest(out_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint to resume from: `latest` if it names a complete folder, else the newest complete
+    `step_*` folder, else None."""
+    root = checkpoint_root(out_dir)
+    pointer = root / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        if _STEP_DIR.match(name) and is_complete(root / name):
+            return root / name
+    found = list_checkpoints(out_dir)
+    return found[-1][1] if found else None
+
+
+def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
+    """Remove temp folders/files a killed save left in the checkpoint folder; returns their names."""
+    root = checkpoint_root(out_dir)
+    removed = []
+    if not root.is_dir():
+        return removed
+    for p in root.iterdir():
+        if p.name.startswith((".tmp-", ".old-")) or p.name.endswith(".tmp"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            removed.append(p.name)
+    return removed
+
+
+def load_trainer_state(path: str | os.PathLike) -> dict:
+    return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
+
+
+@torch.no_grad()
+def load_weights_into(model, path: str | os.PathLike) -> None:
+    """Copy the release-format weights of checkpoint `path` into `model` in place (parameters keep
+    their identity, so an optimizer built on `model` stays valid)."""
+    from openk3.checkpoint import load
+
+    loaded = load(path, dtype=torch.float32)
+    src = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name not in src:
+            raise ValueError(f"{path}: checkpoint has no tensor for {name}")
+        if src[name].shape != t.shape:
+            raise ValueError(f"{path}: {name} has shape {tuple(src[name].shape)}, the model {tuple(t.shape)}")
+        t.copy_(src[name])

@@ -1,0 +1,442 @@
+"""The pretraining loop: `train(cfg, out_dir)` sets a run up (or resumes it) and drives a `Trainer`.
+
+    summary = train(TrainConfig(model=preset("nano"), max_steps=200), "runs/nano")
+
+Run folder:
+    train_config.json        the resolved config (model.vocab_size = the tokenizer's)
+    tokenizer/               trained for the run when `cfg.tokenizer` is None
+    metrics.jsonl            one record per step, eval and resume (`openk3.train.metrics`)
+    loss.png                 train/val loss, redrawn at each eval, checkpoint and the end
+    checkpoints/step_N/      release-format fp32 weights + tokenizer + trainer_state.pt; `latest`
+
+`Trainer` is the loop as a function of (model, batches, optimizer set, schedule): `batches` is any
+object with `next() -> {"input_ids", "labels", "seg"}` (labels -100 where nothing is learned) and
+`state_dict()`/`load_state_dict()`, so SFT swaps in a loader that masks prompts, and a distributed run
+swaps in a rank-sharded one, without touching the step. The loss is the token-summed cross-entropy
+over the count of labelled tokens (the global-token normalisation a data-parallel run all-reduces).
+
+Resume: `train` on a folder with a complete checkpoint continues from it (weights, optimizer set,
+schedule, loader position, RNG states, metrics history), and on CPU in fp32 with one thread it
+reproduces the uninterrupted run's losses bit for bit. metrics.jsonl is cut back to the checkpoint's
+step first, so it always describes one run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
+from openk3.train.config import TrainConfig
+from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses, truncate_after
+from openk3.train.optim import OptimizerSet, build_optimizer
+from openk3.train.qk_clip import QKClipRecorder, qk_clip_
+from openk3.train.schedule import LRSchedule
+from openk3.train.state import (
+    clean_leftovers,
+    find_latest,
+    load_trainer_state,
+    load_weights_into,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+IGNORE_INDEX = -100
+EventHook = Callable[[str, dict], None]
+
+
+def cross_entropy_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed CE in fp32 over labelled tokens, number of labelled tokens)."""
+    V = logits_BTV.shape[-1]
+    loss = F.cross_entropy(logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+    return loss, (labels_BT != IGNORE_INDEX).sum()
+
+
+def autocast_context(dtype: str, device: torch.device):
+    """bf16: torch.autocast on the device (parameters stay fp32; the model's fp32 islands upcast)."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def enable_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder layer's token mixer and FFN in the backward (torch.utils.checkpoint,
+    non-reentrant). The model's forward calls `layer.attn` and `layer.ffn` (a decoder layer has no
+    single forward: Block AttnRes mixes between them), so those two are wrapped per layer; what stays
+    resident is each sub-layer's input plus the AttnRes mixes."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.model.layers:
+        for name in ("attn", "ffn"):
+            fn = getattr(layer, name)
+
+            def wrapped(*args, _fn=fn):
+                if not torch.is_grad_enabled():
+                    return _fn(*args)
+                return checkpoint(_fn, *args, use_reentrant=False)
+
+            setattr(layer, name, wrapped)
+
+
+class Trainer:
+    """One optimizer step at a time over `batches` (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, batches, optimizers: OptimizerSet, schedule: LRSchedule, cfg: TrainConfig,
+                 *, device: torch.device | str = "cpu", threads: int = 1) -> None:
+        from openk3.model.accounting import flops_per_token
+
+        self.model, self.batches, self.opt, self.schedule, self.cfg = model, batches, optimizers, schedule, cfg
+        self.device = torch.device(device)
+        self.step = 0
+        self.tokens = 0
+        self.elapsed = 0.0
+        self.history: list[dict] = []  # compact train/eval records (what loss.png is drawn from)
+        self.recorder = RoutingRecorder(model, keep_inputs=cfg.aux_loss_coef > 0).enable()
+        self.qk_recorder = QKClipRecorder(model).enable() if cfg.qk_clip else None
+        self.flops_per_token = flops_per_token(model, cfg.seq_len, training=True)
+        dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+        self.peak = cfg.peak_flops or peak_flops(dtype, threads, self.device.type)
+
+    # ---- one step ----
+    def train_step(self, batch: dict) -> dict:
+        cfg, model = self.cfg, self.model
+        t0 = time.perf_counter()
+        ids = batch["input_ids"].to(self.device)
+        labels = batch["labels"].to(self.device)
+        seg = batch["seg"].to(self.device) if batch.get("seg") is not None else None
+        lr = self.opt.cfg.lr * self.schedule.multiplier
+        self.recorder.clear()
+        with autocast_context(cfg.dtype, self.device):
+            logits = model(ids, seg_BT=seg)
+            loss_sum, count = cross_entropy_sum(logits, labels)
+            loss = loss_sum / count.clamp_min(1)
+            total = loss
+            aux = None
+            if cfg.aux_loss_coef > 0 and self.recorder.layers:
+                aux = self.recorder.aux_loss()
+                total = loss + cfg.aux_loss_coef * aux
+        recorded = {n: len(r) for n, r in self.recorder.records.items()}
+        total.backward()
+        for n, k in recorded.items():  # activation checkpointing re-ran the MoE forwards: drop the repeats
+            del self.recorder.records[n][k:]
+            del self.recorder.inputs[n][k:]
+        grad_norm = self.opt.clip_grad_norm_()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if cfg.qb_rate > 0:
+            stats = apply_quantile_balancing(model, self.recorder, cfg.qb_rate)
+        else:
+            stats = {}
+            for n, m in self.recorder.layers.items():
+                if self.recorder.records[n]:
+                    stats[n] = load_stats(self.recorder.routing(n)[1], m.gate.weight.shape[0])
+            self.recorder.clear()
+        clipped = None
+        if self.qk_recorder is not None:
+            tau = self.opt.cfg.qk_clip_tau
+            if tau is not None:
+                clipped = sum(qk_clip_(model, self.qk_recorder.max_logits, tau).values())
+            self.qk_recorder.clear()
+        self.schedule.step()
+        dt = time.perf_counter() - t0
+        self.step += 1
+        n_tok = ids.numel()
+        self.tokens += n_tok
+        self.elapsed += dt
+        tps = n_tok / dt if dt > 0 else float("nan")
+        rec = {"kind": "train", "step": self.step, "loss": loss.item(), "lr": lr,
+               "grad_norm": float(grad_norm), "tokens": self.tokens, "tokens_per_s": tps,
+               "mfu": mfu(tps, self.flops_per_token, self.peak),
+               "load_max_over_mean": max((s["max_over_mean"] for s in stats.values()), default=None),
+               "step_time": dt, "elapsed": self.elapsed}
+        if aux is not None:
+            rec["aux_loss"] = aux.item()
+        if clipped is not None:
+            rec["qk_clipped_heads"] = clipped
+        self.history.append({"kind": "train", "step": self.step, "loss": rec["loss"]})
+        return rec
+
+    def evaluate(self, split) -> dict:
+        from openk3.data.loader import evaluate_bpb
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        with autocast_context(cfg.dtype, self.device):
+            r = evaluate_bpb(self.model, split, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device=self.device)
+        self.recorder.clear()  # eval forwards are not routing statistics of a training step
+        if self.qk_recorder is not None:
+            self.qk_recorder.clear()
+        self.elapsed += time.perf_counter() - t0
+        rec = {"kind": "eval", "step": self.step, "val_loss": r["loss"], "val_bpb": r["bpb"], "val_tokens": r["tokens"],
+               "elapsed": self.elapsed}
+        self.history.append({"kind": "eval", "step": self.step, "val_loss": r["loss"], "val_bpb": r["bpb"]})
+        return rec
+
+    # ---- state ----
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "elapsed": self.elapsed,
+                "optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(),
+                "loader": self.batches.state_dict(), "rng": rng_state(), "history": list(self.history)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.step, self.tokens, self.elapsed = int(sd["step"]), int(sd["tokens"]), float(sd["elapsed"])
+        self.opt.load_state_dict(sd["optimizer"])
+        self.schedule.load_state_dict(sd["schedule"])
+        self.batches.load_state_dict(sd["loader"])
+        set_rng_state(sd["rng"])
+        self.history = list(sd["history"])
+
+    def close(self) -> None:
+        self.recorder.disable()
+        if self.qk_recorder is not None:
+            self.qk_recorder.disable()
+
+
+# ---- set-up -------------------------------------------------------------------------------------------
+
+def _say(msg: str) -> None:
+    print(f"[train] {msg}", flush=True)
+
+
+def get_tokenizer(cfg: TrainConfig, out_dir: Path):
+    """`cfg.tokenizer` if given, else `<out>/tokenizer` (trained on the run's data the first time,
+    with `cfg.model.vocab_size` ids). Returns (tokenizer, folder)."""
+    from openk3.tokenizer import Tokenizer, train_bpe
+
+    if cfg.tokenizer is not None:
+        return Tokenizer.from_dir(cfg.tokenizer), Path(cfg.tokenizer)
+    folder = out_dir / "tokenizer"
+    if (folder / "tiktoken.model").is_file():
+        return Tokenizer.from_dir(str(folder)), folder
+    from openk3.data.sources import iter_texts
+
+    _say(f"training a tokenizer with vocab {cfg.model.vocab_size} on data {cfg.data.source!r}")
+    tmp = out_dir / ".tokenizer.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok = train_bpe(iter_texts(cfg.data), cfg.model.vocab_size, str(tmp))
+    os.replace(tmp, folder)
+    return tok, folder
+
+
+def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out
+
+
+@torch.no_grad()
+def generate(model: nn.Module, prompt: list[int], n: int, *, temperature: float = 0.0,
+             generator: torch.Generator | None = None, device: torch.device | str = "cpu",
+             banned: list[int] | None = None, stop: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """Greedy (temperature 0) or sampled continuation with the decode cache; returns the new ids
+    (ending at the first id in `stop`). `banned` ids are never produced."""
+    was = model.training
+    model.eval()
+    try:
+        cache = model.new_cache()
+        logits = model(torch.tensor([prompt], device=device), cache=cache)
+        out = []
+        for _ in range(n):
+            last = logits[0, -1].float()
+            if banned:
+                last[banned] = float("-inf")
+            if temperature > 0:
+                probs = torch.softmax(last / temperature, dim=-1).cpu()
+                nxt = int(torch.multinomial(probs, 1, generator=generator))
+            else:
+                nxt = int(last.argmax())
+            out.append(nxt)
+            if nxt in stop:
+                break
+            logits = model(torch.tensor([[nxt]], device=device), cache=cache)
+        return out
+    finally:
+        model.train(was)
+
+
+def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
+          on_event: EventHook | None = None) -> dict:
+    """Train (or resume) the run in `out_dir`; returns a summary dict (see the module docstring).
+
+    resume: continue from the latest complete checkpoint if there is one (False: refuse to start in a
+    folder that has checkpoints). on_event(kind, info): called after each "step", "eval" and
+    "checkpoint" (tests use it to simulate a kill).
+    """
+    from openk3.common import seed_everything, setup_cpu
+    from openk3.data.loader import PackedLoader
+    from openk3.data.shards import build_dataset
+    from openk3.model.model import K3ForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = setup_cpu(cfg.threads)
+    device = torch.device(cfg.device)
+
+    ckpt = find_latest(out)
+    if ckpt is not None and not resume:
+        raise ValueError(f"{out} already has checkpoints (latest {ckpt.name}); resume, or choose a new --out")
+    saved = None
+    if ckpt is not None:
+        for name in clean_leftovers(out):
+            _say(f"removed {name} (left by an interrupted checkpoint)")
+        saved = load_trainer_state(ckpt)
+
+    tok, tok_dir = get_tokenizer(cfg, out)
+    if tok.vocab_size != cfg.model.vocab_size:
+        _say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
+    _say(f"tokenizer {tok_dir}: vocab {tok.vocab_size} ({tok.n_ranks} ranks + {len(tok.special_ids)} specials)")
+    if saved is not None:
+        diff = _config_diff(saved["config"], cfg.to_dict())
+        if diff:
+            _say("config differs from the checkpoint's: " + "; ".join(diff))
+    cfg.to_json(out / "train_config.json")
+
+    seed_everything(cfg.seed)
+    np.random.seed(cfg.seed % 2**32)
+    cache_dir = cfg.cache_dir or str(out.resolve().parent / ".cache")
+    ds = build_dataset(cfg.data, tok, cache_dir, progress=progress)
+    _say(f"data {cfg.data.source!r}: train {ds.train.num_tokens:,} tokens "
+         f"({ds.train.bytes_per_token:.2f} bytes/token), "
+         f"val {ds.val.num_tokens:,} tokens; cache {cache_dir}")
+    loader = PackedLoader(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+
+    model = K3ForCausalLM.build(cfg.model, device=device, seed=cfg.seed)
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    opt = build_optimizer(model, cfg.optim)
+    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
+                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
+    trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads)
+    n_params = sum(p.numel() for p in model.parameters())
+    _say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
+         f"(train), {threads} thread(s), {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
+
+    metrics_path = out / "metrics.jsonl"
+    resumed_from = None
+    if ckpt is not None:
+        load_weights_into(model, ckpt)
+        trainer.load_state_dict(saved)
+        resumed_from = trainer.step
+        dropped = truncate_after(str(metrics_path), trainer.step)
+        _say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after "
+                                                                  "it" if dropped else ""))
+    elif metrics_path.exists():
+        metrics_path.unlink()  # a fresh run: no stale records from an earlier attempt without a checkpoint
+
+    def emit(kind: str, info: dict) -> None:
+        if on_event is not None:
+            on_event(kind, info)
+
+    log = MetricsLog(str(metrics_path))
+    if resumed_from is not None:
+        log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
+    extra = {name: str(tok_dir / name) for name in ("tiktoken.model", "tokenizer_config.json")
+             if (tok_dir / name).is_file()}
+
+    def plot() -> None:
+        plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
+                    str(out / "loss.png"))
+
+    def save() -> Path:
+        state = trainer.state_dict()
+        state["config"] = cfg.to_dict()
+        path = save_checkpoint(out, trainer.step, model, state, extra_files=extra, keep=cfg.keep_checkpoints)
+        plot()
+        emit("checkpoint", {"step": trainer.step, "path": str(path)})
+        return path
+
+    def evaluate() -> dict:
+        rec = trainer.evaluate(ds.val)
+        log.log(rec)
+        bar.write(f"[train] eval step {rec['step']}: val loss {rec['val_loss']:.4f}, {rec['val_bpb']:.4f} bits/byte")
+        plot()
+        emit("eval", rec)
+        return rec
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.max_steps, initial=trainer.step, file=sys.stderr, disable=not progress, unit="step",
+               dynamic_ncols=True, desc="train")
+    last_saved = trainer.step if ckpt is not None else None
+    last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
+    try:
+        while trainer.step < cfg.max_steps:
+            rec = trainer.train_step(loader.next())
+            log.log(rec)
+            step = trainer.step
+            postfix = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
+            if rec["mfu"] is not None:
+                postfix["mfu"] = f"{rec['mfu']:.1%}"
+            bar.set_postfix(postfix, refresh=False)
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps:
+                lb = rec["load_max_over_mean"]
+                bar.write(f"[train] step {step}/{cfg.max_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                          f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s"
+                          + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else "")
+                          + (f" load max/mean {lb:.2f}" if lb is not None else ""))
+            emit("step", rec)
+            if not math.isfinite(rec["loss"]):
+                raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                evaluate()
+                last_eval = step
+            if cfg.save_every and step % cfg.save_every == 0:
+                save()
+                last_saved = step
+        if last_eval != trainer.step:
+            evaluate()
+        if last_saved != trainer.step:
+            save()
+        else:
+            plot()
+    finally:
+        bar.close()
+        log.close()
+        trainer.close()
+
+    final_eval = next(h for h in reversed(trainer.history) if h["kind"] == "eval")
+    train_losses = losses_by_step(trainer.history)
+    summary = {"out_dir": str(out), "steps": trainer.step, "tokens": trainer.tokens, "elapsed": trainer.elapsed,
+               "resumed_from": resumed_from, "final_loss": train_losses.get(trainer.step),
+               "val_loss": final_eval["val_loss"], "val_bpb": final_eval["val_bpb"],
+               "checkpoint": str(find_latest(out)), "vocab_size": tok.vocab_size, "samples": []}
+    _say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "
+         f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
+    if cfg.samples:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        n_docs = ds.val.num_docs
+        stop = set(tok.stop_ids)
+        banned = sorted(set(tok.special_ids.values()) - stop)  # untrained reserved ids: noise in a sample
+        with autocast_context(cfg.dtype, device):
+            for i in range(cfg.samples):
+                doc = [int(t) for t in ds.val.document(i % n_docs)]
+                prompt = doc[: max(1, min(16, len(doc) - 1))]
+                temp = 0.0 if i == 0 else 0.8
+                new = generate(model, prompt, cfg.sample_tokens, temperature=temp, generator=gen, device=device,
+                               banned=banned, stop=stop)
+                text = {"temperature": temp, "prompt": tok.decode(prompt), "completion": tok.decode(new)}
+                summary["samples"].append(text)
+                _say(f"sample (T={temp}): {json.dumps(text['prompt'])} -> {json.dumps(text['completion'])}")
+    return summary
