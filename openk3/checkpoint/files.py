@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from openk3.checkpoint.layout import ST_DTYPES, checkpoint_file
+from openk3.fsutil import fsync_dir
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -231,17 +232,6 @@ def clean_leftovers(path: Path) -> None:
         os.rename(olds.pop(), path)
     for p in olds + sorted(path.parent.glob(f".{path.name}.tmp-*")):
         shutil.rmtree(p, ignore_errors=True)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def swap_in(tmp: Path, path: Path) -> None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from openk3.data.sources import DataConfig, iter_texts, source_identity
+from openk3.fsutil import fsync_dir
 
 __all__ = ["FORMAT", "TokenDataset", "TokenSplit", "build_dataset", "dataset_key", "tokenizer_fingerprint"]
 
@@ -163,17 +164,6 @@ def _is_val(text: str, val_fraction: float) -> tuple[bool, int]:
 def _fsync_file(path: str) -> None:
     with open(path, "rb+") as fh:
         os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _SplitWriter:
@@ -417,9 +407,9 @@ def build_dataset(cfg: DataConfig, tokenizer, cache_dir: str, *, progress: bool 
                 fh.write("\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             os.rename(tmp, final)
-            _fsync_dir(cache_dir)
+            fsync_dir(cache_dir)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

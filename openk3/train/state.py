@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from openk3.fsutil import fsync_dir
+
 STATE_FILE = "trainer_state.pt"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -37,19 +39,6 @@ def checkpoint_root(out_dir: str | os.PathLike) -> Path:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -121,7 +110,7 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
         write_trainer_state(tmp / STATE_FILE, state)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. the end of a run resumed at its last step)
             old = root / f".old-{step_dir_name(step)}-{os.getpid()}"
             os.replace(final, old)
@@ -129,12 +118,12 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _write_atomic(root / LATEST, (final.name + "\n").encode())
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep is not None:
         for _, path in list_checkpoints(out_dir)[:-keep]:
             if path != final:
