@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"openk3.commands.{args.command}")
     try:
         return module.main(args) or 0
-    except ValueError as e:  # user errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
         print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
         return 2
 

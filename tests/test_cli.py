@@ -64,3 +64,11 @@ def test_demo_nano():
     r = _run("demo", "--preset", "nano", "--steps", "3", "--seq-len", "16", "--new-tokens", "4", "--threads", "1")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "agrees with full forwards on 100%" in r.stdout, r.stdout
+
+
+def test_missing_checkpoint_path_is_one_line_error(tmp_path, capsys):
+    from openk3.__main__ import main
+
+    assert main(["info", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0] and "no such checkpoint" in err[0]
