@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from openk3.fsutil import read_json
+
 # Keys that appear in released config.json files but do not change the text model's math. They are
 # accepted, kept in `K3Config.extra` and written back on save, never silently dropped.
 _METADATA_KEYS = frozenset({
@@ -303,12 +305,7 @@ class K3Config:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "K3Config":
         """Read a config.json (top-level `kimi_k3` with `text_config`, or a bare `kimi_linear`)."""
-        try:
-            with open(path) as fh:
-                d = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
     def replace(self, **changes: Any) -> "K3Config":
         """A copy with `changes` applied (dotted keys `linear_attn_config.x` allowed), re-validated."""

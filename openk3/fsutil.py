@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -17,3 +18,12 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def read_json(path: str | os.PathLike):
+    """Parse a JSON file; malformed JSON is a ValueError naming the file (and the position)."""
+    with open(path) as fh:
+        try:
+            return json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None

@@ -25,6 +25,7 @@ from typing import Any
 
 from openk3.config import K3Config, LinearAttnConfig, preset
 from openk3.data import DataConfig
+from openk3.fsutil import read_json
 from openk3.train.optim import OptimConfig
 
 DTYPES = ("fp32", "bf16")
@@ -149,12 +150,7 @@ class TrainConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TrainConfig:
-        try:
-            with open(path) as fh:
-                d = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(read_json(path), source=str(path))
 
 
 # ---- overrides ------------------------------------------------------------------------------------------
