@@ -2,8 +2,17 @@
 
 KDA layers keep a constant-size state (recurrent S plus the last `kernel-1` inputs of each short
 conv); MLA layers keep the normalised latent and the shared key dims of every past token (576
-values per token in K3); AttnRes keeps nothing. `DenseCache` holds them contiguously for a batch of
-rows that advance together (tests, chat); a paged engine can implement the same attributes.
+values per token in K3); AttnRes keeps nothing.
+
+Two containers speak the same protocol to the layers:
+- `DenseCache`: a batch of rows that advance together (tests, training samples, one request's
+  prefill). Its MLA buffers grow by doubling, so decode appends in amortised O(1).
+- `SlotCache` (engine): `max_slots` rows of different lengths; `view(n)` hands the layers the first
+  n rows, whose MLA keys are masked per row (`SlotMLAView`). Decode (T == 1) only.
+
+Protocol: a KDA layer reads `conv_q/conv_k/conv_v/recurrent` and, when decoding one token, updates
+them in place; an MLA layer calls `state.extend(ckv_BTC, kpe_BTR)` and gets back every key plus the
+attention mask.
 """
 
 from __future__ import annotations
@@ -22,18 +31,59 @@ class KDAState:
     conv_v: torch.Tensor
     recurrent: torch.Tensor
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.conv_q, self.conv_k, self.conv_v, self.recurrent
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv_q, self.conv_k, self.conv_v, self.recurrent))
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-@dataclass
+def causal_mask(num_q: int, num_k: int, device) -> torch.Tensor | None:
+    """[1, T, S] mask for the last `num_q` of `num_k` positions; None when one query sees every key."""
+    if num_q == 1:
+        return None
+    q_pos = torch.arange(num_q, device=device)[:, None] + (num_k - num_q)
+    return (torch.arange(num_k, device=device)[None, :] <= q_pos)[None]
+
+
 class MLAState:
-    """ckv: normalised KV latent [B, S, C]; kpe: shared un-rotated key dims [B, S, Dr]."""
+    """MLA latent cache of rows of equal length: ckv [B, S, C] (normalised latent), kpe [B, S, Dr].
 
-    ckv: torch.Tensor
-    kpe: torch.Tensor
+    Storage has spare capacity (doubling), so appending a decode token copies one row, not the cache.
+    """
+
+    def __init__(self, ckv: torch.Tensor, kpe: torch.Tensor) -> None:
+        self._ckv, self._kpe, self.length = ckv, kpe, ckv.shape[1]
+
+    @property
+    def ckv(self) -> torch.Tensor:
+        return self._ckv[:, :self.length]
+
+    @property
+    def kpe(self) -> torch.Tensor:
+        return self._kpe[:, :self.length]
+
+    def _reserve(self, needed: int) -> None:
+        cap = self._ckv.shape[1]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap, 16)
+        grow = [t.new_zeros(t.shape[0], new_cap, t.shape[2]) for t in (self._ckv, self._kpe)]
+        grow[0][:, :self.length] = self.ckv
+        grow[1][:, :self.length] = self.kpe
+        self._ckv, self._kpe = grow
+
+    def extend(self, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor):
+        """Append T tokens; returns (ckv_BSC, kpe_BSR, mask_BTS or None) over all S keys."""
+        T = ckv_BTC.shape[1]
+        self._reserve(self.length + T)
+        self._ckv[:, self.length:self.length + T] = ckv_BTC
+        self._kpe[:, self.length:self.length + T] = kpe_BTR
+        self.length += T
+        return self.ckv, self.kpe, causal_mask(T, self.length, ckv_BTC.device)
 
     def nbytes(self) -> int:
+        """Bytes of the cached tokens (not the spare capacity)."""
         return self.ckv.numel() * self.ckv.element_size() + self.kpe.numel() * self.kpe.element_size()
 
 
@@ -49,8 +99,146 @@ class DenseCache:
         if not self.layers:
             self.layers = [None] * self.num_layers
 
+    def advance(self, num_tokens: int) -> None:
+        self.seq_len += num_tokens
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held by KDA state and by the MLA cache."""
         kda = sum(s.nbytes() for s in self.layers if isinstance(s, KDAState))
         mla = sum(s.nbytes() for s in self.layers if isinstance(s, MLAState))
+        return {"kda_state": kda, "mla_cache": mla}
+
+
+class SlotMLAView:
+    """The first n rows of a `SlotCache` MLA layer for one decode step: each row appends its token at
+    its own length and attends to its own keys only (the other positions are masked)."""
+
+    def __init__(self, owner: SlotCache, layer: int, n: int) -> None:
+        self.owner, self.layer, self.n = owner, layer, n
+
+    def extend(self, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor):
+        assert ckv_BTC.shape[1] == 1 and ckv_BTC.shape[0] == self.n, "slot views decode one token per row"
+        o = self.owner
+        rows, pos = o.row_index[:self.n], o.lengths[:self.n]
+        ckv_buf, kpe_buf = o.ckv[self.layer], o.kpe[self.layer]
+        ckv_buf[rows, pos] = ckv_BTC[:, 0]
+        kpe_buf[rows, pos] = kpe_BTR[:, 0]
+        S = o.max_len(self.n) + 1
+        mask_B1S = (o.key_pos[:S][None, :] <= pos[:, None])[:, None]
+        return ckv_buf[:self.n, :S], kpe_buf[:self.n, :S], mask_B1S
+
+
+class SlotView:
+    """What the model sees as `cache` for one batched decode step over slots [0, n)."""
+
+    def __init__(self, owner: SlotCache, n: int) -> None:
+        self.owner, self.n = owner, n
+        self.layers = [SlotMLAView(owner, i, n) if s is None else KDAState(*(t[:n] for t in s.tensors()))
+                       for i, s in enumerate(owner.kda)]
+
+    def advance(self, num_tokens: int) -> None:
+        assert num_tokens == 1
+        self.owner.lengths[:self.n] += 1
+        for i in range(self.n):
+            self.owner.host_lengths[i] += 1
+
+
+class SlotCache:
+    """Decode state for up to `max_slots` sequences of different lengths (the engine's batch).
+
+    Active sequences occupy slots 0..n-1 (the engine keeps them compact with `move`), so a decode
+    step works on contiguous views. KDA state is preallocated ([max_slots, ...] per layer: constant
+    size); MLA buffers [max_slots, capacity, C] grow by doubling to the longest sequence.
+    """
+
+    def __init__(self, model, max_slots: int, *, device=None, dtype: torch.dtype | None = None) -> None:
+        p = next(model.parameters())
+        device = p.device if device is None else device
+        dtype = p.dtype if dtype is None else dtype
+        self.max_slots, self.device, self.dtype = max_slots, device, dtype
+        self.kda: list[KDAState | None] = []
+        self.ckv: list[torch.Tensor | None] = []
+        self.kpe: list[torch.Tensor | None] = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            if layer.is_mla:
+                self.kda.append(None)
+                self.ckv.append(torch.zeros(max_slots, 0, attn.kv_lora_rank, device=device, dtype=dtype))
+                self.kpe.append(torch.zeros(max_slots, 0, attn.dr, device=device, dtype=dtype))
+            else:
+                self.kda.append(attn.empty_state(max_slots, device, dtype))
+                self.ckv.append(None)
+                self.kpe.append(None)
+        self.lengths = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.host_lengths = [0] * max_slots  # the same numbers on the host: no device sync to read them
+        self.row_index = torch.arange(max_slots, device=device)
+        self.key_pos = torch.arange(0, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return next((t.shape[1] for t in self.ckv if t is not None), 0)
+
+    def max_len(self, n: int) -> int:
+        return max(self.host_lengths[:n], default=0)
+
+    def reserve(self, tokens: int) -> None:
+        """Make every MLA buffer hold at least `tokens` positions per slot (doubling)."""
+        cap = self.capacity
+        if tokens > cap:
+            new_cap = max(tokens, 2 * cap, 64)
+            for lst in (self.ckv, self.kpe):
+                for i, t in enumerate(lst):
+                    if t is not None:
+                        grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
+                        grown[:, :cap] = t
+                        lst[i] = grown
+        if self.key_pos.numel() < max(tokens, cap):
+            self.key_pos = torch.arange(max(tokens, cap, 64), device=self.device)
+
+    def view(self, n: int) -> SlotView:
+        """Cache for one decode step of slots [0, n); reserves room for the new token."""
+        assert 0 < n <= self.max_slots
+        self.reserve(self.max_len(n) + 1)
+        return SlotView(self, n)
+
+    def install(self, slot: int, cache: DenseCache, row: int = 0) -> None:
+        """Copy row `row` of a prefilled `DenseCache` into `slot`."""
+        length = cache.seq_len
+        self.reserve(length + 1)
+        for i, st in enumerate(cache.layers):
+            if isinstance(st, KDAState):
+                for dst, src in zip(self.kda[i].tensors(), st.tensors(), strict=True):
+                    dst[slot].copy_(src[row])
+            elif isinstance(st, MLAState):
+                self.ckv[i][slot, :length] = st.ckv[row]
+                self.kpe[i][slot, :length] = st.kpe[row]
+            else:
+                raise AssertionError(f"layer {i} has no state in the prefilled cache")
+        self.lengths[slot] = length
+        self.host_lengths[slot] = length
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot `src` into slot `dst` (compaction after a sequence leaves)."""
+        if src == dst:
+            return
+        n = self.host_lengths[src]
+        for i, st in enumerate(self.kda):
+            if st is not None:
+                for t in st.tensors():
+                    t[dst].copy_(t[src])
+            else:
+                self.ckv[i][dst, :n] = self.ckv[i][src, :n]
+                self.kpe[i][dst, :n] = self.kpe[i][src, :n]
+        self.lengths[dst] = n
+        self.host_lengths[dst] = n
+
+    def clear(self, slot: int) -> None:
+        """Forget a slot (its buffers are overwritten by the next install)."""
+        self.lengths[slot] = 0
+        self.host_lengths[slot] = 0
+
+    def nbytes(self) -> dict[str, int]:
+        """Allocated bytes: KDA state (constant) and MLA buffers (capacity)."""
+        kda = sum(s.nbytes() for s in self.kda if s is not None)
+        mla = sum(t.numel() * t.element_size() for lst in (self.ckv, self.kpe) for t in lst if t is not None)
         return {"kda_state": kda, "mla_cache": mla}

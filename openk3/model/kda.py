@@ -48,6 +48,15 @@ class ShortConv(nn.Module):
             out_BTP = out_BTP + tap_BTP
         return F.silu(out_BTP), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
 
+    def step_(self, x_BP: torch.Tensor, history_BWP: torch.Tensor) -> torch.Tensor:
+        """Decode one token: silu(conv) [B, P] in fp32; shifts `history_BWP` in place (no grad)."""
+        W = self.weight.shape[-1] - 1
+        full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
+        out_BP = (full_BJP * upcast(self.weight[:, 0, :]).t()).sum(1)
+        if W:
+            history_BWP.copy_(full_BJP[:, 1:])
+        return F.silu(out_BP)
+
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (FLA's l2norm; eps on the *sum*, spec §10.11)."""
@@ -112,6 +121,8 @@ class KimiDeltaAttention(nn.Module):
         """
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
+        if state is not None and T == 1 and not torch.is_grad_enabled():
+            return self._decode_(x_BTD, state), state
         hist = (state.conv_q, state.conv_k, state.conv_v) if state is not None else (None, None, None)
         q_BTP, hq = self.q_conv1d(self.q_proj(x_BTD), hist[0], seg_BT)
         k_BTP, hk = self.k_conv1d(self.k_proj(x_BTD), hist[1], seg_BT)
@@ -138,6 +149,27 @@ class KimiDeltaAttention(nn.Module):
         out_BTD = self.o_proj(o_BTHK.reshape(B, T, H * K).to(x_BTD.dtype))
         new_state = KDAState(hq, hk, hv, s1) if state is not None else None
         return out_BTD, new_state
+
+    def _decode_(self, x_B1D: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """One token per row, updating `state` in place (the engine's decode path; no autograd).
+
+        Same maths as `forward` with T == 1 (tests compare them); written as few, batched ops because
+        decode at small batch is bound by per-op overhead, not FLOPs.
+        """
+        B = x_B1D.shape[0]
+        H, K = self.num_heads, self.head_dim
+        x_BD = x_B1D[:, 0]
+        q_BHK = l2_normalize(self.q_conv1d.step_(self.q_proj(x_BD), state.conv_q).view(B, H, K))
+        k_BHK = l2_normalize(self.k_conv1d.step_(self.k_proj(x_BD), state.conv_k).view(B, H, K))
+        v_BHV = self.v_conv1d.step_(self.v_proj(x_BD), state.conv_v).view(B, H, K)
+        g_BHK = self.decay(x_B1D)[:, 0]
+        beta_BH = torch.sigmoid(upcast(self.b_proj(x_BD)))
+        with fp32_island(x_B1D):
+            o_BHV = kda_ops.kda_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5, state=state.recurrent)
+        o_BHV = o_BHV * torch.rsqrt(o_BHV.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
+        gate = self.g_proj(x_BD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BD))
+        o_BHV = o_BHV * torch.sigmoid(upcast(gate).view(B, H, K))
+        return self.o_proj(o_BHV.reshape(B, 1, H * K).to(x_B1D.dtype))
 
     def _delta_rule(self, q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, s0, doc_start_BT, T):
         """Decode step (one token, with a state) or the chunked form (prefill / training)."""

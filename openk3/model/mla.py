@@ -57,20 +57,15 @@ class GatedMLA(nn.Module):
         q_BTHD = q.view(B, T, H, self.dn + self.dr)
         latent_BTC, kpe_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.dr], dim=-1)
         ckv_BTC = self.kv_a_layernorm(latent_BTC)
-        new_state = None
-        ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
         if state is not None:
-            ckv_BSC = torch.cat([state.ckv, ckv_BTC], dim=1)
-            kpe_BSR = torch.cat([state.kpe, kpe_BTR], dim=1)
-            new_state = MLAState(ckv_BSC, kpe_BSR)
-        S = ckv_BSC.shape[1]
-        if seg_BT is not None:
-            assert state is None, "packed documents are a training/prefill feature"
-            mask = mla_ops.attention_mask(T, S, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
-        elif T == 1:
-            mask = None  # one query sees every cached key
+            assert seg_BT is None, "packed documents are a training/prefill feature"
+            ckv_BSC, kpe_BSR, mask = state.extend(ckv_BTC, kpe_BTR)
+        elif seg_BT is not None:
+            ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
+            mask = mla_ops.attention_mask(T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
         else:
-            mask = mla_ops.attention_mask(T, S, device=x_BTD.device)
+            ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
+            mask = None if T == 1 else mla_ops.attention_mask(T, T, device=x_BTD.device)
         attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
         o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
                       mask_BTS=mask)
@@ -78,4 +73,4 @@ class GatedMLA(nn.Module):
         if hasattr(self, "g_proj"):
             # Sigmoid output gate from the same normed input; no norm on the MLA output (spec §10.9).
             o_BTP = o_BTP * torch.sigmoid(self.g_proj(x_BTD))
-        return self.o_proj(o_BTP), new_state
+        return self.o_proj(o_BTP), state

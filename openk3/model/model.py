@@ -81,7 +81,7 @@ class K3Model(nn.Module):
             self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
-                cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "grouped") -> torch.Tensor:
+                cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "auto") -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, D] (after `model.norm`)."""
         x_BTD = self.embed_tokens(input_ids_BT)
         B = x_BTD.shape[0]
@@ -113,7 +113,7 @@ class K3Model(nn.Module):
             h_BTD = attn_res_mix(blocks + [prefix], _query(self.output_attn_res_norm, self.output_attn_res_proj),
                                  self.config.rms_norm_eps)
         if cache is not None:
-            cache.seq_len += input_ids_BT.shape[1]
+            cache.advance(input_ids_BT.shape[1])
         return self.norm(h_BTD)
 
 
@@ -206,7 +206,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
                 cache: DenseCache | None = None, mla_impl: str | None = None,
-                moe_impl: str = "grouped") -> torch.Tensor:
+                moe_impl: str = "auto") -> torch.Tensor:
         """Token ids [B, T] -> logits [B, T, V].
 
         Args:
@@ -214,7 +214,7 @@ class K3ForCausalLM(nn.Module):
                 state and MLA attention never cross from one document to the next.
             cache: a `DenseCache` to continue from and extend (prefill or decode).
             mla_impl: "naive" or "absorbed"; default absorbed when decoding with a cache.
-            moe_impl: "grouped" (fast) or "loop" (reference).
+            moe_impl: "auto" (grouped, or sparse for <= 4 tokens), "grouped", "sparse" or "loop" (reference).
         """
         if seg_BT is not None and cache is not None:
             raise ValueError("packed documents (seg_BT) cannot be combined with a decode cache")

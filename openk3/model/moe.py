@@ -59,8 +59,12 @@ class SparseMoE(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = GluMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, glu)
 
-    def forward(self, x_BTD: torch.Tensor, *, impl: str = "grouped") -> torch.Tensor:
-        """x: normed MoE input [B, T, D] -> [B, T, D]. `impl`: "grouped" (fast) or "loop" (reference)."""
+    def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
+        """x: normed MoE input [B, T, D] -> [B, T, D].
+
+        `impl`: "grouped" (one grouped matmul per weight: training, prefill), "sparse" (only the chosen
+        experts: decode of a few tokens), "loop" (reference), or "auto" (sparse for <= 4 tokens).
+        """
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         # The router reads the full-width input, not the latent (spec §4.6 step 4).
@@ -74,7 +78,10 @@ class SparseMoE(nn.Module):
 
             r_NC = experts_packed(z_NC, w_NK, idx_NK, self.experts, self.glu, z_NC.dtype)
         else:
-            experts = moe_ops.experts_grouped if impl == "grouped" else moe_ops.experts_loop
+            if impl == "auto":
+                impl = "sparse" if B * T <= 4 else "grouped"
+            experts = {"grouped": moe_ops.experts_grouped, "sparse": moe_ops.experts_sparse,
+                       "loop": moe_ops.experts_loop}[impl]
             r_NC = experts(z_NC, w_NK, idx_NK, self.experts.w1, self.experts.w3, self.experts.w2, self.glu)
         if hasattr(self, "routed_expert_norm"):
             r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection

@@ -29,7 +29,7 @@ from openk3.ops.kda_chunked import (  # noqa: F401  (CHUNK_SIZE, _kda_chunked_au
     kda_chunked,
 )
 
-__all__ = ["CHUNK_SIZE", "kda", "kda_chunked", "kda_recurrent", "kda_step"]
+__all__ = ["CHUNK_SIZE", "kda", "kda_chunked", "kda_recurrent", "kda_step", "kda_step_"]
 
 
 def _delta_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV):
@@ -58,6 +58,25 @@ def kda_step(q, k, v, g, beta, *, scale: float, state: torch.Tensor):
     dt = upcast(q).dtype
     o, new_state = _delta_step(q.to(dt) * scale, k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt))
     return o.to(q.dtype), new_state.to(state.dtype)
+
+
+def kda_step_(q, k, v, g, beta, *, scale: float, state: torch.Tensor) -> torch.Tensor:
+    """`kda_step` updating `state` [B, H, K, V] in place (decode; no autograd). Returns o [B, H, V] in q's dtype.
+
+    `state` must be contiguous and already in the compute dtype (fp32, or float64).
+    """
+    B, H, K = q.shape
+    V = v.shape[-1]
+    dt = state.dtype
+    assert state.is_contiguous() and dt == upcast(q).dtype, "decode state must be contiguous fp32/float64"
+    S_NKV = state.view(B * H, K, V)
+    S_NKV.mul_(_exp(g.to(dt)).reshape(B * H, K, 1))
+    k_N1K = k.to(dt).reshape(B * H, 1, K)
+    u_N1V = torch.bmm(k_N1K, S_NKV)
+    d_N1V = beta.to(dt).reshape(B * H, 1, 1) * (v.to(dt).reshape(B * H, 1, V) - u_N1V)
+    S_NKV.baddbmm_(k_N1K.transpose(1, 2), d_N1V)
+    o_N1V = torch.bmm(q.to(dt).reshape(B * H, 1, K) * scale, S_NKV)
+    return o_N1V.view(B, H, V).to(q.dtype)
 
 
 def kda_recurrent(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None):

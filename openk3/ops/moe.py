@@ -59,6 +59,34 @@ def experts_loop(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Ten
     return out_NC.to(x_NC.dtype)
 
 
+def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
+                   w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu) -> torch.Tensor:
+    """Decode twin of `experts_loop` for a few tokens: visits only the selected experts (weights are
+    read in place, never gathered or copied) and runs the activation once for all of them.
+
+    Cost is O(distinct selected experts) small matmuls instead of one per expert of the layer, which
+    is what a batch of 1-4 decode tokens needs. Same arguments and result as `experts_loop`.
+    """
+    N, K = idx_NK.shape
+    rows_of: dict[int, list[int]] = {}
+    for m, e in enumerate(idx_NK.reshape(-1).tolist()):
+        rows_of.setdefault(e, []).append(m)
+    experts = list(rows_of)
+    tok = [[m // K for m in rows_of[e]] for e in experts]
+    xs = [x_NC[t[0]:t[0] + 1] if len(t) == 1 else x_NC[t] for t in tok]
+    gate = torch.cat([xe @ w1_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
+    up = torch.cat([xe @ w3_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
+    h_MI = glu(gate, up)
+    ys, start = [], 0
+    for e, t in zip(experts, tok, strict=True):
+        ys.append(h_MI[start:start + len(t)] @ w2_ECI[e].t())
+        start += len(t)
+    order_M = torch.tensor([m for e in experts for m in rows_of[e]], device=x_NC.device)
+    yw_MC = upcast(torch.cat(ys)) * weights_NK.reshape(-1)[order_M, None]
+    out_NC = torch.zeros(x_NC.shape, dtype=yw_MC.dtype, device=x_NC.device).index_add(0, order_M // K, yw_MC)
+    return out_NC.to(x_NC.dtype)
+
+
 def _grouped_mm_ok(x: torch.Tensor, w_EOC: torch.Tensor) -> bool:
     # torch's grouped_mm kernels take fp32/bf16 only and need 16-byte aligned row strides.
     if x.dtype not in (torch.float32, torch.bfloat16) or w_EOC.dtype != x.dtype:

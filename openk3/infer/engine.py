@@ -1,0 +1,322 @@
+"""The generation engine: continuous batching over a `SlotCache` (spec §8).
+
+Each `step()`:
+1. applies pending aborts (their slots are freed at once);
+2. prefills waiting requests first-come first-served while a slot is free, at most `prefill_chunk`
+   prompt tokens per step (a long prompt is prefilled over several steps, so running requests keep
+   decoding: chunked prefill); a request whose prompt is done samples its first token and takes a slot;
+3. decodes one token for every running request in one batched forward (rows of different lengths);
+4. checks stops (stop token ids, stop strings, max_tokens, max_model_len), calls the callbacks, and
+   frees finished slots, keeping the running requests in slots 0..n-1 (compaction).
+
+Requests join and leave between steps. The engine is single-threaded; `abort` may be called from any
+thread (or from a callback) and takes effect at the next step boundary.
+
+Legend: n running requests, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from openk3.infer.detok import TextStream
+from openk3.infer.sample import SamplingParams, make_generator, sample_next
+from openk3.model.cache import DenseCache, SlotCache
+
+
+@dataclass
+class RequestOutput:
+    """What a request has produced so far (`delta_*`: new since the previous output of this request).
+
+    `token_ids` includes a stop token id when one ended the request (chat parsers need it); `text`
+    never contains a stop token's text or a stop string. `finish_reason`: "stop" (stop token or
+    string, `stop_reason` says which), "length" (max_tokens or the context limit), "abort".
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_token_ids: list[int]
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+class _Request:
+    def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int],
+                 stream: TextStream | None, on_output, device) -> None:
+        self.id, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
+        self.stream, self.on_output = stream, on_output
+        self.generator = None if params.greedy else make_generator(params.seed, "cpu")
+        self.out: list[int] = []
+        self.text = ""
+        self.sent_tokens = 0
+        self.cache: DenseCache | None = None
+        self.prefilled = 0
+        self.slot: int | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.t_arrival = time.perf_counter()
+        self.t_first: float | None = None
+
+
+class Engine:
+    """Continuous-batching generation over one model.
+
+    Args:
+        model: a `K3ForCausalLM` (eval mode is set here).
+        tokenizer: an `openk3.tokenizer.Tokenizer`, needed for text prompts, text output and stop
+            strings; without one, prompts must be token ids and outputs have ids only.
+        max_num_seqs: requests decoded together (slots).
+        max_model_len: prompt + generated tokens per request (default: the config's
+            max_position_embeddings).
+        prefill_chunk: prompt tokens prefilled per step (chunked prefill).
+    """
+
+    def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 16, max_model_len: int | None = None,
+                 prefill_chunk: int = 512) -> None:
+        if max_num_seqs < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.cfg = model.config
+        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.device = next(model.parameters()).device
+        self.slots = SlotCache(model, max_num_seqs)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []  # running[i].slot == i
+        self._by_id: dict[str, _Request] = {}
+        self._aborts: set[str] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.default_stop_ids = frozenset(tokenizer.stop_ids) if tokenizer is not None else frozenset()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt given as text (needs the tokenizer) or as ids (checked)."""
+        if isinstance(prompt, str):
+            if self.tok is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            ids = self.tok.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
+                    stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
+                    skip_special_tokens: bool = True) -> str:
+        """Queue a request; returns its id. `on_output` is called with every new `RequestOutput`.
+
+        stop_token_ids: extra ids that end generation; the tokenizer's stop ids (`<|end_of_msg|>`,
+        `[EOS]`) apply unless `ignore_eos`.
+        """
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._by_id:
+            raise ValueError(f"request id {rid!r} is already in use")
+        stops = (frozenset() if ignore_eos else self.default_stop_ids) | frozenset(stop_token_ids or ())
+        if params.stop and self.tok is None:
+            raise ValueError("stop strings need a tokenizer")
+        stream = TextStream(self.tok, params.stop, skip_special=skip_special_tokens) if self.tok else None
+        req = _Request(rid, ids, params, stops, stream, on_output, self.device)
+        self._by_id[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe; takes effect at the next step boundary). Unknown ids are ignored."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.max_num_seqs - len(self.running)
+
+    # ---- the step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step (see the module docstring); returns the outputs it produced."""
+        outputs: list[RequestOutput] = []
+        self._apply_aborts(outputs)
+        budget = self.prefill_chunk
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.cache is None:
+                req.cache = self.model.new_cache()
+            n = min(budget, len(req.prompt) - req.prefilled)
+            chunk = torch.tensor([req.prompt[req.prefilled:req.prefilled + n]], device=self.device)
+            logits = self.model(chunk, cache=req.cache, mla_impl="naive")
+            req.prefilled += n
+            budget -= n
+            self.stats["prompt_tokens"] += n
+            if req.prefilled < len(req.prompt):
+                break  # the rest of this prompt goes in the next steps
+            self.waiting.popleft()
+            req.slot = len(self.running)
+            self.slots.install(req.slot, req.cache)
+            req.cache = None
+            self.running.append(req)
+            req.t_first = time.perf_counter()
+            self._accept(req, self._sample([req], logits[:, -1])[0], outputs)
+        self._release_finished()  # requests that stopped at their first token
+        if self.running:
+            ids = torch.tensor([[r.out[-1]] for r in self.running], device=self.device)
+            logits = self.model(ids, cache=self.slots.view(len(self.running)))
+            for req, tok in zip(self.running, self._sample(self.running, logits[:, -1]), strict=True):
+                self._accept(req, tok, outputs)
+        self._release_finished()
+        return outputs
+
+    def _sample(self, reqs: list[_Request], logits_nV: torch.Tensor) -> list[int]:
+        logits_nV = logits_nV.float()
+        simple = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.repetition_penalty == 1.0]
+        toks: list[int | None] = [None] * len(reqs)
+        if simple:
+            best = logits_nV[simple].argmax(-1).tolist()
+            for i, t in zip(simple, best, strict=True):
+                toks[i] = t
+        for i, r in enumerate(reqs):
+            if toks[i] is None:
+                seen = r.prompt + r.out if r.params.repetition_penalty != 1.0 else ()
+                toks[i] = sample_next(logits_nV[i], r.params, r.generator, seen)
+        return toks  # type: ignore[return-value]
+
+    def _accept(self, req: _Request, tok: int, outputs: list[RequestOutput]) -> None:
+        """Append a sampled token, apply the stop rules, emit an output."""
+        req.out.append(tok)
+        self.stats["generation_tokens"] += 1
+        delta = ""
+        if tok in req.stop_ids:
+            req.finish_reason, req.stop_reason = "stop", tok
+        elif req.stream is not None:
+            delta = req.stream.add(tok)
+            if req.stream.stopped is not None:
+                req.finish_reason, req.stop_reason = "stop", req.stream.stopped
+        if req.finish_reason is None:
+            if len(req.out) >= req.params.max_tokens or len(req.prompt) + len(req.out) >= self.max_model_len:
+                req.finish_reason = "length"
+        if req.finish_reason is not None and req.stream is not None:
+            delta += req.stream.finish()
+        req.text += delta
+        outputs.append(self._emit(req, delta))
+
+    def _emit(self, req: _Request, delta: str) -> RequestOutput:
+        new = req.out[req.sent_tokens:]
+        req.sent_tokens = len(req.out)
+        done = req.finish_reason is not None
+        metrics = {"prompt_tokens": len(req.prompt), "generation_tokens": len(req.out)}
+        if done:
+            now = time.perf_counter()
+            metrics["time_to_first_token_s"] = None if req.t_first is None else req.t_first - req.t_arrival
+            metrics["e2e_s"] = now - req.t_arrival
+        out = RequestOutput(req.id, req.prompt, list(req.out), req.text, new, delta, done, req.finish_reason,
+                            req.stop_reason, metrics)
+        if req.on_output is not None:
+            req.on_output(out)
+        return out
+
+    def _apply_aborts(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+        for rid in aborts:
+            req = self._by_id.get(rid)
+            if req is None or req.finish_reason is not None:
+                continue
+            req.finish_reason = "abort"
+            self.stats["aborted"] += 1
+            if req in self.waiting:
+                self.waiting.remove(req)
+                req.cache = None
+                del self._by_id[rid]
+            outputs.append(self._emit(req, ""))
+        self._release_finished()
+
+    def _release_finished(self) -> None:
+        """Free the slots of finished requests; the last running request moves into each hole."""
+        for i in range(len(self.running) - 1, -1, -1):
+            req = self.running[i]
+            if req.finish_reason is None:
+                continue
+            last = self.running.pop()
+            if last is not req:
+                self.slots.move(last.slot, req.slot)
+                last.slot = req.slot
+                self.running[req.slot] = last
+            else:
+                self.slots.clear(req.slot)
+            req.slot = None
+            self._by_id.pop(req.id, None)
+            self.stats["finished"] += 1
+
+    # ---- convenience loops -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Step until every request has finished."""
+        while self.has_unfinished():
+            self.step()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, *, progress: bool = False, **request_kw) -> list[RequestOutput]:
+        """Run `prompts` to completion (batched); returns the final outputs in prompt order."""
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        finals: dict[str, RequestOutput] = {}
+        ids = [self.add_request(p, sp, **request_kw) for p, sp in zip(prompts, plist, strict=True)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    finals[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finals[i] for i in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               **request_kw) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as they come (other queued requests advance too). Closing the
+        iterator early aborts the request."""
+        rid = self.add_request(prompt, params, **request_kw)
+        finished = False
+        try:
+            while not finished:
+                for out in self.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+                self._apply_aborts([])
