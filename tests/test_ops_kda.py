@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from openk3.ops import kda as kda_mod
 from openk3.ops import kda_chunked as chunk_mod
-from openk3.ops.kda import kda, kda_chunked, kda_recurrent, kda_step
+from openk3.ops.kda import kda, kda_chunked, kda_recurrent, kda_step, kda_step_
 
 F64 = torch.float64
 
@@ -112,6 +112,22 @@ def test_step_iterated_equals_recurrent():
         outs.append(o_t)
     assert_close("o", o_ref, torch.stack(outs, 1), 1e-13)
     assert_close("state", s_ref, state, 1e-13)
+
+
+@pytest.mark.parametrize("gate", ["softplus", "hard"])
+def test_inplace_step_equals_step(gate):
+    """`kda_step_` (the engine's decode: state updated in place) == `kda_step`, token after token."""
+    B, T, H, K, V = 3, 7, 2, 12, 10
+    q, k, v, g, beta = make_inputs(B, T, H, K, V, gate=gate)
+    ref = make_state(B, H, K, V)
+    state = ref.clone()
+    ptr = state.data_ptr()
+    for t in range(T):
+        o_ref, ref = kda_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale=0.4, state=ref)
+        o = kda_step_(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], scale=0.4, state=state)
+        assert_close(f"o[{t}]", o_ref, o, 1e-14)
+    assert state.data_ptr() == ptr
+    assert_close("state", ref, state, 1e-14)
 
 
 @pytest.mark.parametrize("prefix", [1, 40, 64], ids=lambda p: f"prefix{p}")

@@ -9,7 +9,7 @@ import torch
 from helpers import assert_close
 
 from openk3.model.layers import situ_glu, swiglu
-from openk3.ops.moe import experts_grouped, experts_loop, route
+from openk3.ops.moe import experts_grouped, experts_loop, experts_sparse, route
 
 GLUS = {"situ": functools.partial(situ_glu, beta=4.0, linear_beta=25.0), "swiglu": swiglu}
 
@@ -58,11 +58,11 @@ def _inputs(case, dtype, widths=None):
     return [t.requires_grad_() for t in (x, weights, w1, w3, w2)], idx
 
 
-def _check(case, dtype, glu_name, tol, widths=None):
+def _check(case, dtype, glu_name, tol, widths=None, experts=experts_grouped):
     (x, weights, w1, w3, w2), idx = _inputs(case, dtype, widths)
     glu = GLUS[glu_name]
     ref = experts_loop(x, weights, idx, w1, w3, w2, glu)
-    got = experts_grouped(x, weights, idx, w1, w3, w2, glu)
+    got = experts(x, weights, idx, w1, w3, w2, glu)
     assert ref.dtype == got.dtype == dtype
     assert_close(f"{case} out", ref, got, tol)
     do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
@@ -83,6 +83,13 @@ def _check(case, dtype, glu_name, tol, widths=None):
 @pytest.mark.parametrize("case", list(CASES))
 def test_grouped_equals_loop_float64(case, glu_name):
     _check(case, torch.float64, glu_name, 1e-12)
+
+
+@pytest.mark.parametrize("glu_name", list(GLUS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_sparse_equals_loop_float64(case, glu_name):
+    """The decode path (only the chosen experts, weights read in place) is the same function."""
+    _check(case, torch.float64, glu_name, 1e-12, experts=experts_sparse)
 
 
 @pytest.mark.parametrize("case", list(CASES))

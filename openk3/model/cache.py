@@ -22,17 +22,27 @@ from dataclasses import dataclass, field
 import torch
 
 
-@dataclass
 class KDAState:
-    """conv_*: last kernel-1 projected inputs [B, kernel-1, P]; recurrent: [B, H, K, V] fp32."""
+    """conv: last kernel-1 projected inputs of the q, k and v convs side by side [B, kernel-1, 3P];
+    recurrent: [B, H, K, V] fp32. One conv tensor lets decode run the three convs as one op."""
 
-    conv_q: torch.Tensor
-    conv_k: torch.Tensor
-    conv_v: torch.Tensor
-    recurrent: torch.Tensor
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.conv, self.recurrent = conv, recurrent
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.conv_q, self.conv_k, self.conv_v, self.recurrent
+    @property
+    def conv_q(self) -> torch.Tensor:
+        return self.conv.chunk(3, dim=-1)[0]
+
+    @property
+    def conv_k(self) -> torch.Tensor:
+        return self.conv.chunk(3, dim=-1)[1]
+
+    @property
+    def conv_v(self) -> torch.Tensor:
+        return self.conv.chunk(3, dim=-1)[2]
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.conv, self.recurrent
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())

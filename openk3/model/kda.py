@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from openk3.common import fp32_island, upcast
 from openk3.config import K3Config
 from openk3.model.cache import KDAState
+from openk3.model.layers import fused_weight
 from openk3.ops import kda as kda_ops
 
 
@@ -48,14 +49,15 @@ class ShortConv(nn.Module):
             out_BTP = out_BTP + tap_BTP
         return F.silu(out_BTP), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
 
-    def step_(self, x_BP: torch.Tensor, history_BWP: torch.Tensor) -> torch.Tensor:
-        """Decode one token: silu(conv) [B, P] in fp32; shifts `history_BWP` in place (no grad)."""
-        W = self.weight.shape[-1] - 1
-        full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
-        out_BP = (full_BJP * upcast(self.weight[:, 0, :]).t()).sum(1)
-        if W:
-            history_BWP.copy_(full_BJP[:, 1:])
-        return F.silu(out_BP)
+
+def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_PJ: torch.Tensor) -> torch.Tensor:
+    """One decode token of `ShortConv` (weights `w_PJ` = weight[:, 0, :]): silu(conv) [B, P] in fp32;
+    shifts `history_BWP` in place (no autograd)."""
+    full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
+    out_BP = (full_BJP * upcast(w_PJ).t()).sum(1)
+    if history_BWP.shape[1]:
+        history_BWP.copy_(full_BJP[:, 1:])
+    return F.silu(out_BP)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -97,15 +99,16 @@ class KimiDeltaAttention(nn.Module):
         """Zero decode state: conv histories in the activation dtype, recurrent S in fp32."""
         P, W = self.num_heads * self.head_dim, self.q_conv1d.weight.shape[-1] - 1
         rec_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        conv = [torch.zeros(batch, W, P, device=device, dtype=dtype) for _ in range(3)]
-        return KDAState(*conv, torch.zeros(batch, self.num_heads, self.head_dim, self.head_dim, device=device,
+        conv = torch.zeros(batch, W, 3 * P, device=device, dtype=dtype)
+        return KDAState(conv, torch.zeros(batch, self.num_heads, self.head_dim, self.head_dim, device=device,
                                            dtype=rec_dtype))
 
-    def decay(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        """Per-channel log decay g [B, T, H, K] in fp32 (spec §4.4 step 4)."""
+    def decay(self, x_BTD: torch.Tensor, f_a_BTK: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-channel log decay g [B, T, H, K] in fp32 (spec §4.4 step 4); `f_a_BTK`: f_a_proj(x) if known."""
         B, T, _ = x_BTD.shape
         H, K = self.num_heads, self.head_dim
-        z_BTHK = upcast(self.f_b_proj(self.f_a_proj(x_BTD))).view(B, T, H, K) + upcast(self.dt_bias).view(H, K)
+        f_a_BTK = self.f_a_proj(x_BTD) if f_a_BTK is None else f_a_BTK
+        z_BTHK = upcast(self.f_b_proj(f_a_BTK)).view(B, T, H, K) + upcast(self.dt_bias).view(H, K)
         a_H1 = torch.exp(upcast(self.A_log[:H])).view(H, 1)  # indexed by head, never by channel
         if self.lower_bound is not None:
             # K3: bounded sigmoid form; "lower bound" swaps the activation, it is not a clamp.
@@ -147,7 +150,7 @@ class KimiDeltaAttention(nn.Module):
             gate = self.g_b_proj(self.g_a_proj(x_BTD))
         o_BTHK = o_BTHK * torch.sigmoid(upcast(gate).view(B, T, H, K))
         out_BTD = self.o_proj(o_BTHK.reshape(B, T, H * K).to(x_BTD.dtype))
-        new_state = KDAState(hq, hk, hv, s1) if state is not None else None
+        new_state = KDAState(torch.cat([hq, hk, hv], dim=-1), s1) if state is not None else None
         return out_BTD, new_state
 
     def _decode_(self, x_B1D: torch.Tensor, state: KDAState) -> torch.Tensor:
@@ -158,16 +161,32 @@ class KimiDeltaAttention(nn.Module):
         """
         B = x_B1D.shape[0]
         H, K = self.num_heads, self.head_dim
+        P = H * K
         x_BD = x_B1D[:, 0]
-        q_BHK = l2_normalize(self.q_conv1d.step_(self.q_proj(x_BD), state.conv_q).view(B, H, K))
-        k_BHK = l2_normalize(self.k_conv1d.step_(self.k_proj(x_BD), state.conv_k).view(B, H, K))
-        v_BHV = self.v_conv1d.step_(self.v_proj(x_BD), state.conv_v).view(B, H, K)
-        g_BHK = self.decay(x_B1D)[:, 0]
-        beta_BH = torch.sigmoid(upcast(self.b_proj(x_BD)))
+        full_rank = hasattr(self, "g_proj")
+        projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
+                 self.g_proj if full_rank else self.g_a_proj]
+        w = fused_weight(self, "in_proj", [m.weight for m in projs])
+        if w is not None:
+            y_BN = F.linear(x_BD, w)
+            ys, qkv_B3P = y_BN.split([m.weight.shape[0] for m in projs], -1), y_BN[:, :3 * P]
+        else:
+            ys = [m(x_BD) for m in projs]
+            qkv_B3P = torch.cat(ys[:3], -1)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        w_conv = fused_weight(self, "conv", [c.weight[:, 0, :] for c in convs])
+        if w_conv is None:
+            w_conv = torch.cat([c.weight[:, 0, :] for c in convs])
+        qkv_B3P = conv_step_(qkv_B3P, state.conv, w_conv)
+        qk_B2HK = l2_normalize(qkv_B3P[:, :2 * P].reshape(B, 2 * H, K))
+        q_BHK, k_BHK = qk_B2HK[:, :H], qk_B2HK[:, H:]
+        v_BHV = qkv_B3P[:, 2 * P:].reshape(B, H, K)
+        g_BHK = self.decay(x_B1D, ys[3][:, None])[:, 0]
+        beta_BH = torch.sigmoid(upcast(ys[4]))
+        gate = ys[5] if full_rank else self.g_b_proj(ys[5])
         with fp32_island(x_B1D):
             o_BHV = kda_ops.kda_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5, state=state.recurrent)
         o_BHV = o_BHV * torch.rsqrt(o_BHV.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
-        gate = self.g_proj(x_BD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BD))
         o_BHV = o_BHV * torch.sigmoid(upcast(gate).view(B, H, K))
         return self.o_proj(o_BHV.reshape(B, 1, H * K).to(x_B1D.dtype))
 

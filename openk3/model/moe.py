@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from openk3.config import K3Config
-from openk3.model.layers import GluMLP, RMSNorm
+from openk3.model.layers import GluMLP, RMSNorm, fused_weight
 from openk3.ops import moe as moe_ops
 
 
@@ -59,6 +59,20 @@ class SparseMoE(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = GluMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, glu)
 
+    def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Per expert: gate|up weights as one [C, 2I] matrix, down weight as [I, C] (a fused copy of
+        w1/w3 when small, see `layers.fused_weight`; None for large experts). Cached until the weights change."""
+        ex = self.experts
+        w13 = fused_weight(self, "w13", [ex.w1, ex.w3], dim=1)
+        if w13 is None:
+            return None
+        key = (w13.data_ptr(), ex.w2.data_ptr(), ex.w2._version)
+        hit = self.__dict__.get("_views")
+        if hit is None or hit[0] != key:
+            w13_t, w2_t = w13.transpose(1, 2), ex.w2.detach().transpose(1, 2)
+            hit = self._views = (key, ([w13_t[e] for e in range(w13.shape[0])], [w2_t[e] for e in range(w13.shape[0])]))
+        return hit[1]
+
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         """x: normed MoE input [B, T, D] -> [B, T, D].
 
@@ -80,9 +94,13 @@ class SparseMoE(nn.Module):
         else:
             if impl == "auto":
                 impl = "sparse" if B * T <= 4 else "grouped"
-            experts = {"grouped": moe_ops.experts_grouped, "sparse": moe_ops.experts_sparse,
-                       "loop": moe_ops.experts_loop}[impl]
-            r_NC = experts(z_NC, w_NK, idx_NK, self.experts.w1, self.experts.w3, self.experts.w2, self.glu)
+            ex = self.experts
+            if impl == "sparse":
+                views = self.decode_views() if not torch.is_grad_enabled() else None
+                r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu, views=views)
+            else:
+                experts = {"grouped": moe_ops.experts_grouped, "loop": moe_ops.experts_loop}[impl]
+                r_NC = experts(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
         if hasattr(self, "routed_expert_norm"):
             r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection
         out_ND = self.routed_expert_up_proj(r_NC) if hasattr(self, "routed_expert_up_proj") else r_NC

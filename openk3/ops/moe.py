@@ -60,29 +60,41 @@ def experts_loop(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Ten
 
 
 def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
-                   w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu) -> torch.Tensor:
-    """Decode twin of `experts_loop` for a few tokens: visits only the selected experts (weights are
-    read in place, never gathered or copied) and runs the activation once for all of them.
+                   w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu, *,
+                   views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> torch.Tensor:
+    """Decode twin of `experts_loop` for a few tokens: visits only the selected experts (their weights
+    are read in place, never gathered) and runs the activation once for all of them.
 
-    Cost is O(distinct selected experts) small matmuls instead of one per expert of the layer, which
-    is what a batch of 1-4 decode tokens needs. Same arguments and result as `experts_loop`.
+    Cost is O(selected experts) small matmuls instead of one per expert of the layer, which is what a
+    batch of 1-4 decode tokens needs. `views` (see `SparseMoE.decode_views`): per expert, the gate|up
+    weight as one [C, 2I] matrix and the down weight as [I, C], so each expert costs two matmul calls.
+    Same arguments and result as `experts_loop`.
     """
     N, K = idx_NK.shape
+    I = w1_EIC.shape[1]
     rows_of: dict[int, list[int]] = {}
     for m, e in enumerate(idx_NK.reshape(-1).tolist()):
         rows_of.setdefault(e, []).append(m)
     experts = list(rows_of)
-    tok = [[m // K for m in rows_of[e]] for e in experts]
-    xs = [x_NC[t[0]:t[0] + 1] if len(t) == 1 else x_NC[t] for t in tok]
-    gate = torch.cat([xe @ w1_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
-    up = torch.cat([xe @ w3_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
-    h_MI = glu(gate, up)
+    order = [m for e in experts for m in rows_of[e]]
+    xs = [x_NC[ms[0] // K:ms[0] // K + 1] if len(ms) == 1 else x_NC[[m // K for m in ms]]
+          for ms in rows_of.values()]
+    if views is not None:
+        gu_MJ = torch.cat([xe @ views[0][e] for xe, e in zip(xs, experts, strict=True)])
+        h_MI = glu(gu_MJ[:, :I], gu_MJ[:, I:])
+    else:
+        gate = torch.cat([xe @ w1_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
+        up = torch.cat([xe @ w3_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
+        h_MI = glu(gate, up)
     ys, start = [], 0
-    for e, t in zip(experts, tok, strict=True):
-        ys.append(h_MI[start:start + len(t)] @ w2_ECI[e].t())
-        start += len(t)
-    order_M = torch.tensor([m for e in experts for m in rows_of[e]], device=x_NC.device)
+    for e in experts:
+        n = len(rows_of[e])
+        ys.append(h_MI[start:start + n] @ (views[1][e] if views is not None else w2_ECI[e].t()))
+        start += n
+    order_M = torch.tensor(order, device=x_NC.device)
     yw_MC = upcast(torch.cat(ys)) * weights_NK.reshape(-1)[order_M, None]
+    if N == 1:
+        return yw_MC.sum(0, keepdim=True).to(x_NC.dtype)
     out_NC = torch.zeros(x_NC.shape, dtype=yw_MC.dtype, device=x_NC.device).index_add(0, order_M // K, yw_MC)
     return out_NC.to(x_NC.dtype)
 
