@@ -18,6 +18,8 @@ COMMANDS = {
     "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",
     "template": "render an OpenAI-style chat request (stdin JSON) in the XTML chat format",
     "parse": "parse a generated completion (stdin) into reasoning, content and tool calls",
+    "generate": "continue text prompts with a checkpoint (streams one prompt; batches several)",
+    "chat": "chat with a checkpoint in the XTML format: thinking, multi-turn, tool calls (stdin lines)",
 }
 
 

@@ -37,6 +37,7 @@ def test_readme_main_command_short(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "validation bits per byte" in r.stdout
     assert "sample" in r.stdout
+    assert "== openk3 generate --model" in r.stdout and str(tmp_path / "run") in r.stdout  # inference on the result
     assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -1,5 +1,6 @@
-"""Inference engine pieces. So far: token sampling (issue 6) -- `SamplingParams`, `sample_next`,
-`sample_batch`, `make_generator`, `filter_logits`, `apply_repetition_penalty`."""
+"""Inference (docs/inference.md): the continuous-batching `Engine` (engine.py) over a `SlotCache`
+(openk3/model/cache.py), streaming detokenisation with stop strings (detok.py), token sampling
+(sample.py) and the user-facing `openk3.LLM` (llm.py, imported lazily: it loads checkpoints)."""
 
 from openk3.infer.sample import (
     SamplingParams,

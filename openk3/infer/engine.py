@@ -57,7 +57,7 @@ class _Request:
                  stream: TextStream | None, on_output, device) -> None:
         self.id, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
         self.stream, self.on_output = stream, on_output
-        self.generator = None if params.greedy else make_generator(params.seed, "cpu")
+        self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
         self.out: list[int] = []
         self.text = ""
         self.sent_tokens = 0
@@ -288,7 +288,15 @@ class Engine:
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
         finals: dict[str, RequestOutput] = {}
-        ids = [self.add_request(p, sp, **request_kw) for p, sp in zip(prompts, plist, strict=True)]
+        ids: list[str] = []
+        try:
+            for p, sp in zip(prompts, plist, strict=True):
+                ids.append(self.add_request(p, sp, **request_kw))
+        except Exception:  # a bad prompt queues nothing: withdraw the ones already added
+            for rid in ids:
+                self.abort(rid)
+            self._apply_aborts([])
+            raise
         bar = None
         if progress:
             from tqdm import tqdm

@@ -1,0 +1,240 @@
+"""`openk3 chat --model DIR [--system TEXT] [--effort low|high|max|none] [--tools FILE.json] ...`
+
+An interactive chat in K3's XTML format (`openk3.LLM.chat`). Reads one user message a line from stdin
+(a terminal or a pipe), streams the answer to stdout: the thinking channel dimmed on a terminal
+(prefixed `[thinking] ` otherwise), then the response, then any tool calls the model makes as
+`[tool call ID] NAME` + pretty-printed JSON arguments. The conversation is multi-turn: each answer goes
+back into the history with its reasoning (as K3 is trained).
+
+Lines starting with `/` are commands:
+
+    /tool ID RESULT   answer tool call ID with RESULT (the rest of the line); with one call pending the
+                      ID may be left out. Once every pending call has an answer, the model continues.
+    /reset            clear the history (the --system message stays)
+    /history          print the conversation so far as JSON
+    /exit, /quit      quit (so does end of input)
+    /help             this list
+    //TEXT            send the message "/TEXT"
+
+A plain message while tool calls are pending leaves them unanswered. Notes (errors, hints, --verbose
+figures) go to stderr, so stdout carries only the conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from openk3.commands.generate import add_model_arguments, add_sampling_arguments
+
+HELP = """commands:
+  /tool ID RESULT   answer tool call ID (ID optional when one call is pending)
+  /reset            clear the history (keeps --system)
+  /history          print the conversation as JSON
+  /exit, /quit      quit (or end of input)
+  //TEXT            send a message that starts with /"""
+
+DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = "input: one user message a line on stdin (a terminal or a pipe); answers stream to stdout.\n" + HELP
+    add_model_arguments(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
+    p.add_argument("--effort", default="max", choices=["low", "high", "max", "none"],
+                   help="thinking effort (default max, as K3's template); none = thinking off")
+    p.add_argument("--no-thinking", action="store_true", help="answer directly, without the thinking channel")
+    p.add_argument("--tools", default=None, metavar="FILE.json",
+                   help="OpenAI tools list (JSON list, or an object with a 'tools' list) the model may call")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="after each answer, print tokens, speed, finish reason and parser problems to stderr")
+    add_sampling_arguments(p, max_tokens=1024)
+
+
+def load_tools(path: str) -> list[dict]:
+    """An OpenAI tools list from a JSON file; bare function specs ({"name", "parameters"}) are wrapped."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if isinstance(data, dict) and "tools" in data:
+        data = data["tools"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of tools (or an object with a 'tools' list)")
+    tools = []
+    for k, tool in enumerate(data):
+        if isinstance(tool, dict) and "function" not in tool and "name" in tool:
+            tool = {"type": "function", "function": tool}
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{path}: tools[{k}] needs function.name")
+        tools.append(tool)
+    return tools
+
+
+def format_call(call: dict) -> str:
+    """`[tool call ID] NAME` and the arguments as indented JSON (raw text if they are not JSON)."""
+    fn = call.get("function", {})
+    args = fn.get("arguments") or "{}"
+    try:
+        pretty = json.dumps(json.loads(args), indent=2, ensure_ascii=False)
+    except json.JSONDecodeError:
+        pretty = args
+    return f"[tool call {call.get('id')}] {fn.get('name')}\n{pretty}\n"
+
+
+class Printer:
+    """`on_delta` for LLM.chat: reasoning dimmed (terminal) or after `[thinking] `, content plain, calls whole."""
+
+    def __init__(self, out, tty: bool) -> None:
+        self.out, self.tty = out, tty
+        self.mode: str | None = None
+        self.at_line_start = True
+
+    def _write(self, text: str, dim: bool = False) -> None:
+        if not text:
+            return
+        self.out.write(f"{DIM}{text}{RESET}" if dim and self.tty else text)
+        self.out.flush()
+        self.at_line_start = text.endswith("\n")
+
+    def _switch(self, mode: str) -> None:
+        if self.mode == mode:
+            return
+        if not self.at_line_start:
+            self._write("\n")
+        self.mode = mode
+        if mode == "think" and not self.tty:
+            self._write("[thinking] ")
+
+    def __call__(self, delta: dict) -> None:
+        if "reasoning_content" in delta:
+            self._switch("think")
+            self._write(delta["reasoning_content"], dim=True)
+        elif "content" in delta:
+            self._switch("content")
+            self._write(delta["content"])
+        elif "tool_call" in delta:
+            self._switch("tool")
+            self._write(format_call(delta["tool_call"]))
+
+    def end(self) -> None:
+        if not self.at_line_start:
+            self._write("\n")
+        self.mode = None
+
+
+def _read_line(tty: bool) -> str | None:
+    if tty:
+        try:
+            return input("you> ")
+        except EOFError:
+            return None
+    line = sys.stdin.readline()
+    return None if line == "" else line.rstrip("\r\n")
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
+    import time
+
+    from openk3.commands.generate import build_llm, sampling_params
+
+    tools = load_tools(args.tools) if args.tools else None
+    params = sampling_params(args)
+    thinking = not (args.no_thinking or args.effort == "none")
+    effort = args.effort if thinking else None
+    llm = build_llm(args)
+    if llm.tokenizer is None:  # pragma: no cover - a path always comes with a tokenizer
+        raise ValueError("chat needs a tokenizer")
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = list(base)
+    pending: dict[str, str] = {}  # tool call id -> tool name, awaiting a /tool answer
+    tty_in = sys.stdin.isatty()
+    printer = Printer(sys.stdout, sys.stdout.isatty())
+    if tty_in:
+        _note(f"openk3 chat: {llm.path}; /help for commands, /exit or Ctrl-D to quit")
+    while True:
+        try:
+            line = _read_line(tty_in)
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            break
+        if line is None:
+            break
+        if not line.strip():
+            continue
+        saved = (list(history), dict(pending))
+        if line.startswith("/") and not line.startswith("//"):
+            cmd, _, rest = line.strip().partition(" ")
+            rest = rest.strip()
+            if cmd in ("/exit", "/quit"):
+                break
+            if cmd == "/help":
+                _note(HELP)
+                continue
+            if cmd == "/reset":
+                history, pending = list(base), {}
+                _note("[history cleared]")
+                continue
+            if cmd == "/history":
+                print(json.dumps(history, indent=2, ensure_ascii=False), flush=True)
+                continue
+            if cmd != "/tool":
+                _note(f"unknown command {cmd}; /help lists them (//TEXT sends a message starting with /)")
+                continue
+            if not pending:
+                _note("no tool call is waiting for an answer")
+                continue
+            call_id, _, result = rest.partition(" ")
+            if call_id not in pending:
+                if len(pending) > 1:
+                    _note(f"/tool needs a call id: one of {', '.join(pending)}")
+                    continue
+                call_id, result = next(iter(pending)), rest
+            history.append({"role": "tool", "tool_call_id": call_id, "name": pending.pop(call_id),
+                            "content": result.strip()})
+            if pending:
+                _note(f"[waiting for the results of {', '.join(pending)}]")
+                continue
+        else:
+            if pending:
+                _note(f"[tool calls left unanswered: {', '.join(pending)}]")
+                pending = {}
+            history.append({"role": "user", "content": line[1:] if line.startswith("//") else line})
+        t0 = time.perf_counter()
+        try:
+            result = llm.chat(history, params, tools=tools, thinking=thinking, effort=effort, on_delta=printer)
+        except KeyboardInterrupt:
+            printer.end()
+            _note("[interrupted; the turn is dropped]")
+            history, pending = saved
+            continue
+        except ValueError as e:  # e.g. a conversation the renderer refuses, or one too long for the model
+            printer.end()
+            _note(f"[error: {e}; the turn is dropped (/reset starts over)]")
+            history, pending = saved
+            continue
+        finally:
+            printer.end()
+        history.append(result.message)
+        pending = {c["id"]: c["function"]["name"] for c in result.tool_calls}
+        if pending:
+            _note("[answer with: " + "; ".join(f"/tool {i} RESULT" for i in pending) + "]")
+        if result.finish_reason == "length":
+            _note(f"[stopped after --max-tokens {params.max_tokens} tokens]")
+        if args.verbose:
+            dt = time.perf_counter() - t0
+            n = len(result.token_ids)
+            codes = ", ".join(sorted({p["code"] for p in result.problems})) or "none"
+            _note(f"[{len(result.prompt_token_ids)} prompt + {n} generated tokens in {dt:.2f} s "
+                  f"({n / max(dt, 1e-9):.1f} tok/s); finish: {result.finish_reason}; parser problems: {codes}]")
+    return 0

@@ -1,0 +1,401 @@
+"""`openk3.LLM`: a checkpoint (or a model + tokenizer) -> text generation and XTML chat, offline.
+
+    llm = openk3.LLM("runs/nano")                  # a checkpoint folder, or a training run folder
+    out = llm.generate("Once upon a time", max_tokens=32, temperature=0)[0]
+    print(out.text, out.finish_reason)
+
+    messages = [{"role": "user", "content": "Hi!"}]
+    r = llm.chat(messages, effort="low", max_tokens=512)
+    messages.append(r.message)                     # reasoning kept: the renderer puts it back in the history
+    messages.append({"role": "user", "content": "And then?"})
+    r = llm.chat(messages, effort="low", max_tokens=512)
+
+Generation runs on `openk3.infer.engine.Engine` (continuous batching); chat renders the request with
+`openk3.chat.render` + `encode_segments` and parses the completion token by token with
+`openk3.chat.StreamParser` (markers recognised by their control ids only). Nothing here touches the
+network: weights and tokenizer come from local folders.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openk3.infer.engine import Engine, RequestOutput
+from openk3.infer.sample import SamplingParams
+
+__all__ = ["LLM", "ChatResult", "resolve_checkpoint", "resolve_dtype"]
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+          "fp64": torch.float64, "float64": torch.float64}
+
+Prompt = str | Sequence[int]
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None (keep the checkpoint's dtypes), a torch dtype, or a name such as "bf16" / "fp32"."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key in ("auto", "none", ""):
+        return None
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, bf16, fp16, fp32, fp64")
+    return DTYPES[key]
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path` names: a checkpoint folder itself (it has config.json), its
+    config.json, or a training run folder (`openk3 train --out DIR`, or its `checkpoints/` folder), whose
+    latest complete checkpoint is used (`checkpoints/latest`, see `openk3.train.state.find_latest`).
+
+    Raises FileNotFoundError for a path that does not exist, ValueError naming the path otherwise.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint or training run folder")
+    if p.is_file():
+        if p.name == "config.json":
+            return p.parent
+        raise ValueError(f"{p}: a file; give a checkpoint folder (with config.json) or a training run folder")
+    if (p / "config.json").is_file():
+        return p
+    from openk3.train.state import checkpoint_root, find_latest
+
+    run = p.parent if p.name == "checkpoints" and not checkpoint_root(p).is_dir() else p
+    ckpt = find_latest(run)
+    if ckpt is not None:
+        return ckpt
+    if checkpoint_root(run).is_dir():
+        raise ValueError(f"{p}: a training run folder without a complete checkpoint yet")
+    raise ValueError(f"{p}: not a checkpoint folder (no config.json) nor a training run folder (no checkpoints/)")
+
+
+def _load_tokenizer(folder: str | os.PathLike, what: str):
+    from openk3.tokenizer import Tokenizer
+
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder}: no such tokenizer folder")
+    if not (folder / "tiktoken.model").is_file():
+        raise ValueError(f"{folder}: no tokenizer here (tiktoken.model is missing); "
+                         f"{what}pass a tokenizer folder (tokenizer=DIR, CLI --tokenizer DIR)")
+    try:
+        return Tokenizer.from_dir(str(folder))
+    except (OSError, KeyError) as e:
+        raise ValueError(f"{folder}: cannot load the tokenizer ({e})") from None
+
+
+@dataclasses.dataclass
+class ChatResult:
+    """One assistant turn.
+
+    message: the OpenAI-style assistant message -- `role`, `content` (None when empty and there are
+        tool calls), `reasoning_content` (None when there was no reasoning), and `tool_calls` (only when
+        the model called tools: `[{"id", "type": "function", "function": {"name", "arguments"}}]`, the
+        arguments a JSON object string). Append it to the messages to continue the conversation.
+    token_ids: the generated ids (including the stop id, e.g. `<|end_of_msg|>`, when one ended it).
+    finish_reason: the engine's: "stop", "length" or "abort".
+    problems: what the parser found off-grammar (`openk3.chat.PROBLEM_CODES`); empty for clean output.
+    prompt_token_ids: the rendered prompt.
+    text: the completion decoded with its markers (what `openk3 parse` reads).
+    """
+
+    message: dict
+    token_ids: list[int]
+    finish_reason: str | None
+    problems: list[dict]
+    prompt_token_ids: list[int]
+    text: str
+
+    @property
+    def content(self) -> str | None:
+        return self.message.get("content")
+
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.message.get("reasoning_content")
+
+    @property
+    def tool_calls(self) -> list[dict]:
+        return self.message.get("tool_calls") or []
+
+
+class LLM:
+    """A model + tokenizer + generation engine.
+
+    Args:
+        path_or_model: a checkpoint folder (or its config.json), a training run folder (its latest
+            complete checkpoint is used), or an in-memory `K3ForCausalLM`.
+        tokenizer: an `openk3.tokenizer.Tokenizer` or a tokenizer folder. Default: the checkpoint
+            folder's own tokenizer files (required for a path). With an in-memory model and no
+            tokenizer, prompts must be token ids and outputs have ids only (no chat).
+        dtype: None keeps the checkpoint's dtypes (an in-memory model is left as it is); a torch dtype
+            or "bf16" / "fp16" / "fp32" casts (fp32 islands stay fp32; an in-memory model is cast in place).
+        device: where the weights go; None = "cpu" for a path, and leaves an in-memory model where it is.
+        max_num_seqs, max_model_len, prefill_chunk: the engine's (see `Engine`).
+    """
+
+    def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
+                 device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
+                 prefill_chunk: int = 512) -> None:
+        dtype = resolve_dtype(dtype)
+        self.path: Path | None = None
+        if isinstance(path_or_model, torch.nn.Module):
+            model = path_or_model
+            if dtype is not None:
+                model = model.cast(dtype) if hasattr(model, "cast") else model.to(dtype)
+            if device is not None:
+                model = model.to(device)
+        elif isinstance(path_or_model, (str, os.PathLike)):
+            self.path = resolve_checkpoint(path_or_model)
+            if tokenizer is None:  # check the tokenizer before the (slower) weights
+                tokenizer = _load_tokenizer(self.path, "this checkpoint has no tokenizer files; ")
+            from openk3.checkpoint import load
+
+            model = load(self.path, dtype=dtype, device=device or "cpu")
+        else:
+            raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")
+        if isinstance(tokenizer, (str, os.PathLike)):
+            tokenizer = _load_tokenizer(tokenizer, "")
+        vocab = model.config.vocab_size
+        if tokenizer is not None and tokenizer.vocab_size != vocab:
+            raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {vocab}; "
+                             "they must match")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             prefill_chunk=prefill_chunk)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def __repr__(self) -> str:
+        where = str(self.path) if self.path is not None else "in-memory model"
+        return f"LLM({where}, vocab {self.config.vocab_size}, {self.config.num_hidden_layers} layers)"
+
+    # ---- prompts and params ----------------------------------------------------------------------
+
+    @staticmethod
+    def _batch(prompts: Any) -> list[Prompt]:
+        """A str or one list of ids -> one prompt; a list of str / lists of ids -> a batch."""
+        if hasattr(prompts, "tolist") and not isinstance(prompts, str):  # a tensor or array of ids
+            prompts = prompts.tolist()
+        if isinstance(prompts, str):
+            return [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a str, a list of token ids, or a list of those; "
+                            f"got {type(prompts).__name__}")
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [prompts]
+        out: list[Prompt] = []
+        for k, p in enumerate(prompts):
+            if hasattr(p, "tolist") and not isinstance(p, str):
+                p = p.tolist()
+            if isinstance(p, str):
+                out.append(p)
+            elif isinstance(p, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
+                out.append(list(p))
+            else:
+                raise TypeError(f"prompts[{k}] must be a str or a list of token ids, got {type(p).__name__}")
+        return out
+
+    @staticmethod
+    def _params(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
+                overrides: dict) -> list[SamplingParams]:
+        if isinstance(overrides.get("stop"), str):
+            overrides = {**overrides, "stop": (overrides["stop"],)}
+        fields = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; "
+                            f"SamplingParams has {', '.join(sorted(fields))}")
+        if params is None or isinstance(params, SamplingParams):
+            base = params if params is not None else SamplingParams()
+            one = dataclasses.replace(base, **overrides) if overrides else base
+            return [one] * n
+        plist = list(params)
+        if len(plist) != n:
+            raise ValueError(f"{n} prompts but {len(plist)} SamplingParams")
+        return [dataclasses.replace(p, **overrides) if overrides else p for p in plist]
+
+    def _check(self, batch: list[Prompt]) -> list[list[int]]:
+        """Encode every prompt and check its length before anything is queued."""
+        ids = [self.engine.encode(p) for p in batch]
+        for k, row in enumerate(ids):
+            if len(row) >= self.engine.max_model_len:
+                raise ValueError(f"prompt {k} has {len(row)} tokens; max_model_len is {self.engine.max_model_len}")
+        return ids
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 progress: bool = False, stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+                 skip_special_tokens: bool = True, **sampling: Any) -> list[RequestOutput]:
+        """Generate for one prompt or a batch; always returns a list of `RequestOutput`, in prompt order.
+
+        prompts: a str or one list of token ids (a single prompt: the result is a one-element list), or
+            a list of str / lists of token ids (a batch). An empty list is an empty batch.
+        params: one `SamplingParams` for all, a list (one per prompt), or None (the defaults).
+        **sampling: SamplingParams fields applied on top, e.g. `max_tokens=16, temperature=0, seed=1,
+            stop="\\n"` (a str stop is one stop string).
+        stop_token_ids / ignore_eos / skip_special_tokens: as `Engine.add_request` (the tokenizer's stop
+            ids, `<|end_of_msg|>` and `[EOS]`, apply unless ignore_eos).
+
+        The prompts are decoded together (continuous batching); each request's tokens depend only on its
+        prompt, params and seed. An exception or Ctrl-C aborts the requests still running.
+        """
+        batch = self._batch(prompts)
+        plist = self._params(params, len(batch), sampling)
+        ids = self._check(batch)
+        rids: list[str] = []
+        finals: dict[str, RequestOutput] = {}
+        bar = None
+        try:
+            for row, sp in zip(ids, plist, strict=True):
+                rids.append(self.engine.add_request(row, sp, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                                                    skip_special_tokens=skip_special_tokens))
+            wanted = set(rids)
+            if progress:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(rids), desc="generate", unit="req")
+            while len(finals) < len(rids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finals[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            for rid in rids:
+                if rid not in finals:
+                    self.engine.abort(rid)
+        return [finals[r] for r in rids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+               stop_token_ids: Sequence[int] | None = None, ignore_eos: bool = False,
+               skip_special_tokens: bool = True, **sampling: Any) -> Iterator[RequestOutput]:
+        """Yield one prompt's `RequestOutput`s as tokens arrive (`delta_text`, `delta_token_ids`); the last
+        has `finished=True`. Closing the iterator early (or leaving a `with contextlib.closing(...)`)
+        aborts the request."""
+        batch = self._batch(prompt)
+        if len(batch) != 1:
+            raise ValueError(f"stream takes one prompt, got {len(batch)}")
+        (sp,) = self._params(params, 1, sampling)
+        (ids,) = self._check(batch)
+        return self.engine.stream(ids, sp, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
+                                  skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ------------------------------------------------------------------------------------
+
+    def chat_prompt(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None,
+                    thinking: bool | None = None, effort: str | None = "max", tool_choice: Any = None,
+                    response_format: Any = None) -> tuple[list[int], bool]:
+        """The request's prompt ids (rendered with `openk3.chat.render`, each segment encoded on its own)
+        and whether the completion starts in the think channel."""
+        from openk3.chat import encode_segments, render, resolve_thinking
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        if isinstance(messages, (str, dict)) or not isinstance(messages, Sequence):
+            raise TypeError("messages must be a list of {'role', 'content'} dicts")
+        request: dict[str, Any] = {"messages": list(messages), "thinking_effort": effort}
+        if tools:
+            request["tools"] = list(tools)
+        if thinking is not None:
+            request["thinking"] = bool(thinking)
+        if tool_choice is not None:
+            request["tool_choice"] = tool_choice
+        if response_format is not None:
+            request["response_format"] = response_format
+        on, _ = resolve_thinking(request)
+        return encode_segments(render(request), self.tokenizer).ids, on
+
+    def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
+             tools: Sequence[dict] | None = None, thinking: bool | None = None, effort: str | None = "max",
+             tool_choice: Any = None, response_format: Any = None,
+             on_delta: Callable[[dict], None] | None = None, **sampling: Any) -> ChatResult:
+        """One assistant turn for an OpenAI-style conversation, in K3's XTML format.
+
+        messages: [{"role": "system"|"user"|"assistant"|"tool", "content": ..., ...}] (not modified);
+            assistant messages from earlier `chat` results go back in as they are (`reasoning_content`
+            and `tool_calls` included); a tool result is {"role": "tool", "tool_call_id": ID, "content": ...}.
+        tools: OpenAI tools list ({"type": "function", "function": {"name", "description", "parameters"}}).
+        thinking: None/True = think first (K3's default), False = answer directly.
+        effort: "low", "high" or "max" (the default, as K3's HF template); None omits the effort message;
+            "none" turns thinking off. "medium" is rejected (see docs/chat-format.md).
+        tool_choice, response_format: rendered as the renderer does ("required"/"none"; json_object/json_schema).
+        params / **sampling: as in `generate` (SamplingParams defaults: temperature 1, max_tokens 256).
+        on_delta: called while generating with {"reasoning_content": text}, {"content": text}, and, once
+            the turn is done, {"tool_call": {"id", "type", "function": {"name", "arguments"}}} per call.
+
+        Generation stops at `<|end_of_msg|>` (or `[EOS]`, max_tokens, the context limit). Tool call ids are
+        `call_<k>`, k counted over the whole conversation, so they are unique within it.
+        """
+        from openk3.chat import StreamParser, marker_ids_of
+
+        prompt_ids, thinking_on = self.chat_prompt(messages, tools=tools, thinking=thinking, effort=effort,
+                                                   tool_choice=tool_choice, response_format=response_format)
+        (sp,) = self._params(params, 1, sampling)
+        if len(prompt_ids) >= self.engine.max_model_len:
+            raise ValueError(f"the conversation has {len(prompt_ids)} tokens; max_model_len is "
+                             f"{self.engine.max_model_len}")
+        earlier = sum(len(m.get("tool_calls") or []) for m in messages
+                      if isinstance(m, dict) and m.get("role") == "assistant")
+        tok = self.tokenizer
+        markers = marker_ids_of(tok)
+        parser = StreamParser(thinking_on, call_id=lambda n, name: f"call_{earlier + n}", marker_ids=markers)
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        def deliver(deltas: list[dict]) -> None:
+            if on_delta is None:
+                return
+            for d in deltas:
+                if "tool_calls" not in d:  # calls are delivered whole at the end
+                    on_delta(d)
+
+        def feed(tid: int) -> None:
+            if tid in markers:
+                rest = decoder.decode(b"", final=True)  # bytes of a character cut by the marker
+                decoder.reset()
+                if rest:
+                    deliver(parser.feed_token(-1, rest))
+                deliver(parser.feed_token(tid, ""))
+            elif tok.is_special(tid):
+                return  # other control tokens ([BOS], reserved ids) carry no text
+            else:
+                deliver(parser.feed_token(tid, decoder.decode(tok.decode_bytes([tid]))))
+
+        last: RequestOutput | None = None
+        with contextlib.closing(self.engine.stream(prompt_ids, sp)) as outputs:
+            for out in outputs:
+                last = out
+                for tid in out.delta_token_ids:
+                    feed(tid)
+        rest = decoder.decode(b"", final=True)
+        if rest:
+            deliver(parser.feed_token(-1, rest))
+        deliver(parser.finish())
+        message = parser.message()
+        problems = message.pop("problems")
+        if message["tool_calls"] is None:
+            del message["tool_calls"]
+        elif on_delta is not None:
+            for call in message["tool_calls"]:
+                on_delta({"tool_call": call})
+        token_ids = list(last.token_ids) if last is not None else []
+        return ChatResult(message=message, token_ids=token_ids,
+                          finish_reason=last.finish_reason if last is not None else None, problems=problems,
+                          prompt_token_ids=prompt_ids, text=tok.decode(token_ids))
