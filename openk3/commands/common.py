@@ -1,8 +1,9 @@
-"""Arguments shared by commands that need a model config."""
+"""Arguments and input helpers shared by commands."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from openk3.config import PRESETS, K3Config, preset
 
@@ -19,3 +20,14 @@ def config_from_args(args: argparse.Namespace, default: str = "nano") -> tuple[K
         return K3Config.from_json(args.config), args.config
     name = args.preset or default
     return preset(name), name
+
+
+def read_text_input(path: str | None) -> str:
+    """The text of `path`, or of stdin when `path` is None or "-"; an unreadable file is a ValueError."""
+    try:
+        if path is None or path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None

@@ -92,14 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
-        try:
-            if args.prompts_file == "-":
-                text = sys.stdin.read()
-            else:
-                with open(args.prompts_file, encoding="utf-8") as fh:
-                    text = fh.read()
-        except OSError as e:
-            raise ValueError(f"cannot read {args.prompts_file}: {e.strerror}") from None
+        from openk3.commands.common import read_text_input
+
+        text = read_text_input(args.prompts_file)
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompt: give --prompt TEXT (repeatable) or --prompts-file FILE")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from openk3.chat.xtml import END_OF_MSG, SEP
 
@@ -26,15 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.chat import StreamParser
+    from openk3.commands.common import read_text_input
 
-    try:
-        if args.input is None:
-            text = sys.stdin.read()
-        else:
-            with open(args.input, encoding="utf-8") as fh:
-                text = fh.read()
-    except OSError as e:
-        raise ValueError(f"cannot read {args.input}: {e.strerror}") from None
+    text = read_text_input(args.input)
     if text.endswith("\n") and text[:-1].endswith((SEP, END_OF_MSG)):
         text = text[:-1]
     chunk = getattr(args, "chunk", 1)

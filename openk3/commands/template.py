@@ -27,14 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_request(path: str | None) -> dict:
-    try:
-        if path is None:
-            text = sys.stdin.read()
-        else:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    from openk3.commands.common import read_text_input
+
+    text = read_text_input(path)
     try:
         request = json.loads(text)
     except json.JSONDecodeError as e:
