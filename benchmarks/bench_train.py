@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from collections import defaultdict
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     spread,
     time_interleaved,
     time_repeats,
+    write_json,
 )
 
 from openk3.config import preset  # noqa: E402
@@ -257,10 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"ratio openk3 / transformers: {ratio:.2f}x (target >= 5x)")
     if args.profile:
         profile_openk3(model, ids, labels, fns["openk3"], args.repeats)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=2)
-    return result
+    return write_json(args.json, result)
 
 
 if __name__ == "__main__":

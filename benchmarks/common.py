@@ -7,6 +7,7 @@ second vCPU is unreliable, so results are medians of repeats and always state th
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
@@ -84,3 +85,11 @@ def machine_line(threads: int) -> str:
     cap = torch.backends.cpu.get_cpu_capability()
     return (f"torch {torch.__version__}, {cap}, {threads} thread(s) of {os.cpu_count()} CPUs, "
             f"flush_denormal on, python {platform.python_version()}")
+
+
+def write_json(path: str | None, result: dict) -> dict:
+    """Write `result` to `path` (the --json option) when one is given; returns `result`."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result

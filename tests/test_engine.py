@@ -110,6 +110,9 @@ def test_chunked_prefill_equals_one_shot(model64, chunk):
         for s in range(0, len(p), chunk):
             got = model64(torch.tensor([p[s:s + chunk]]), cache=parts)[0, -1]
     assert_close("last logits", ref, got, 1e-12)
+    with torch.no_grad():
+        assert_close("last_only", ref, model64(torch.tensor([p]), cache=model64.new_cache(), last_only=True)[0, -1],
+                     1e-12)
     for i, (a, b) in enumerate(zip(one.layers, parts.layers, strict=True)):
         if isinstance(a, KDAState):
             for name in ("conv_q", "conv_k", "conv_v", "conv", "recurrent"):
@@ -178,7 +181,7 @@ def test_cancellation_frees_the_slot_and_others_continue(model64):
         finals.update({o.request_id: o for o in eng.step() if o.finished})
     assert finals[ids[1]].token_ids == ref[1].token_ids
     assert finals[ids[2]].token_ids == ref[2].token_ids
-    assert eng.num_free_slots == 3 and eng.stats["aborted"] == 1
+    assert eng.num_free_slots == 3 and eng.stats["aborted"] == 1 and eng.stats["finished"] == 2
 
 
 def test_abort_waiting_request_and_unknown_id(model64):

@@ -171,7 +171,7 @@ class Engine:
                 req.cache = self.model.new_cache()
             n = min(budget, len(req.prompt) - req.prefilled)
             chunk = torch.tensor([req.prompt[req.prefilled:req.prefilled + n]], device=self.device)
-            logits = self.model(chunk, cache=req.cache, mla_impl="naive")
+            logits = self.model(chunk, cache=req.cache, mla_impl="naive", last_only=True)
             req.prefilled += n
             budget -= n
             self.stats["prompt_tokens"] += n
@@ -272,7 +272,8 @@ class Engine:
                 self.slots.clear(req.slot)
             req.slot = None
             self._by_id.pop(req.id, None)
-            self.stats["finished"] += 1
+            if req.finish_reason != "abort":
+                self.stats["finished"] += 1
 
     # ---- convenience loops -----------------------------------------------------------------------
 

@@ -206,7 +206,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
                 cache: DenseCache | None = None, mla_impl: str | None = None,
-                moe_impl: str = "auto") -> torch.Tensor:
+                moe_impl: str = "auto", last_only: bool = False) -> torch.Tensor:
         """Token ids [B, T] -> logits [B, T, V].
 
         Args:
@@ -215,13 +215,14 @@ class K3ForCausalLM(nn.Module):
             cache: a `DenseCache` to continue from and extend (prefill or decode).
             mla_impl: "naive" or "absorbed"; default absorbed when decoding with a cache.
             moe_impl: "auto" (grouped, or sparse for <= 4 tokens), "grouped", "sparse" or "loop" (reference).
+            last_only: logits of the last position only ([B, 1, V]): a prefill needs nothing else.
         """
         if seg_BT is not None and cache is not None:
             raise ValueError("packed documents (seg_BT) cannot be combined with a decode cache")
         if mla_impl is None:
             mla_impl = "absorbed" if cache is not None else "naive"
         h_BTD = self.model(input_ids_BT, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, moe_impl=moe_impl)
-        return self.lm_head(h_BTD)
+        return self.lm_head(h_BTD[:, -1:] if last_only else h_BTD)
 
     def new_cache(self) -> DenseCache:
         return DenseCache(num_layers=self.config.num_hidden_layers)
