@@ -59,7 +59,6 @@ class _Request:
         self.stream, self.on_output = stream, on_output
         self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
         self.out: list[int] = []
-        self.text = ""
         self.sent_tokens = 0
         self.cache: DenseCache | None = None
         self.prefilled = 0
@@ -223,7 +222,6 @@ class Engine:
                 req.finish_reason = "length"
         if req.finish_reason is not None and req.stream is not None:
             delta += req.stream.finish()
-        req.text += delta
         outputs.append(self._emit(req, delta))
 
     def _emit(self, req: _Request, delta: str) -> RequestOutput:
@@ -235,7 +233,8 @@ class Engine:
             now = time.perf_counter()
             metrics["time_to_first_token_s"] = None if req.t_first is None else req.t_first - req.t_arrival
             metrics["e2e_s"] = now - req.t_arrival
-        out = RequestOutput(req.id, req.prompt, list(req.out), req.text, new, delta, done, req.finish_reason,
+        text = req.stream.text if req.stream is not None else ""
+        out = RequestOutput(req.id, req.prompt, list(req.out), text, new, delta, done, req.finish_reason,
                             req.stop_reason, metrics)
         if req.on_output is not None:
             req.on_output(out)

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from openk3.ops import mla as mla_ops
+
 
 class KDAState:
     """conv: last kernel-1 projected inputs of the q, k and v convs side by side [B, kernel-1, 3P];
@@ -48,12 +50,14 @@ class KDAState:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
-def causal_mask(num_q: int, num_k: int, device) -> torch.Tensor | None:
-    """[1, T, S] mask for the last `num_q` of `num_k` positions; None when one query sees every key."""
-    if num_q == 1:
-        return None
-    q_pos = torch.arange(num_q, device=device)[:, None] + (num_k - num_q)
-    return (torch.arange(num_k, device=device)[None, :] <= q_pos)[None]
+def grow_tokens(t_BSC: torch.Tensor, keep: int, capacity: int) -> torch.Tensor:
+    """A zeroed [B, capacity, C] buffer holding the first `keep` token positions of `t_BSC`.
+
+    Zeros, not empty: masked key positions are multiplied by 0 in attention, so they must be finite.
+    """
+    grown = t_BSC.new_zeros(t_BSC.shape[0], capacity, t_BSC.shape[2])
+    grown[:, :keep] = t_BSC[:, :keep]
+    return grown
 
 
 class MLAState:
@@ -78,10 +82,7 @@ class MLAState:
         if needed <= cap:
             return
         new_cap = max(needed, 2 * cap, 16)
-        grow = [t.new_zeros(t.shape[0], new_cap, t.shape[2]) for t in (self._ckv, self._kpe)]
-        grow[0][:, :self.length] = self.ckv
-        grow[1][:, :self.length] = self.kpe
-        self._ckv, self._kpe = grow
+        self._ckv, self._kpe = (grow_tokens(t, self.length, new_cap) for t in (self._ckv, self._kpe))
 
     def extend(self, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor):
         """Append T tokens; returns (ckv_BSC, kpe_BSR, mask_BTS or None) over all S keys."""
@@ -90,7 +91,8 @@ class MLAState:
         self._ckv[:, self.length:self.length + T] = ckv_BTC
         self._kpe[:, self.length:self.length + T] = kpe_BTR
         self.length += T
-        return self.ckv, self.kpe, causal_mask(T, self.length, ckv_BTC.device)
+        mask = None if T == 1 else mla_ops.attention_mask(T, self.length, device=ckv_BTC.device)
+        return self.ckv, self.kpe, mask
 
     def nbytes(self) -> int:
         """Bytes of the cached tokens (not the spare capacity)."""
@@ -199,9 +201,7 @@ class SlotCache:
             for lst in (self.ckv, self.kpe):
                 for i, t in enumerate(lst):
                     if t is not None:
-                        grown = t.new_zeros(t.shape[0], new_cap, t.shape[2])
-                        grown[:, :cap] = t
-                        lst[i] = grown
+                        lst[i] = grow_tokens(t, cap, new_cap)
         if self.key_pos.numel() < max(tokens, cap):
             self.key_pos = torch.arange(max(tokens, cap, 64), device=self.device)
 

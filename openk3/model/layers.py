@@ -16,23 +16,29 @@ from openk3.common import upcast
 FUSE_MAX_BYTES = 32 << 20
 
 
+def cached_on(owner: nn.Module, key: str, parts: list[torch.Tensor], build):
+    """`build()` cached on `owner` under `key` until one of `parts` changes: new storage (load, cast,
+    `.to`) or an in-place update (an optimizer step bumps the tensor's version counter)."""
+    sig = tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
+    cache = owner.__dict__.setdefault("_decode_cache", {})
+    hit = cache.get(key)
+    if hit is None or hit[0] != sig:
+        with torch.no_grad():
+            hit = cache[key] = (sig, build())
+    return hit[1]
+
+
 def fused_weight(owner: nn.Module, key: str, parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor | None:
-    """cat(parts, dim) for decode, cached on `owner` until a part changes (new storage or an in-place
-    update such as an optimizer step). None when the parts exceed `FUSE_MAX_BYTES`: one big matmul per
-    part costs nothing extra at that size, while a fused copy would double their memory.
+    """cat(parts, dim) for decode, cached on `owner` (`cached_on`). None when the parts exceed
+    `FUSE_MAX_BYTES`: one big matmul per part costs nothing extra at that size, while a fused copy would
+    double their memory.
 
     Small-batch decode is bound by per-op overhead, so one matmul over the fused weight replaces
     several; the result is the same as the separate matmuls (tests compare decode with forward).
     """
     if sum(p.numel() * p.element_size() for p in parts) > FUSE_MAX_BYTES:
         return None
-    sig = tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
-    cache = owner.__dict__.setdefault("_fused", {})
-    hit = cache.get(key)
-    if hit is None or hit[0] != sig:
-        with torch.no_grad():
-            hit = cache[key] = (sig, torch.cat([p.detach() for p in parts], dim))
-    return hit[1]
+    return cached_on(owner, key, parts, lambda: torch.cat([p.detach() for p in parts], dim))
 
 
 class RMSNorm(nn.Module):

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from openk3.config import K3Config
-from openk3.model.layers import GluMLP, RMSNorm, fused_weight
+from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight
 from openk3.ops import moe as moe_ops
 
 
@@ -63,15 +63,15 @@ class SparseMoE(nn.Module):
         """Per expert: gate|up weights as one [C, 2I] matrix, down weight as [I, C] (a fused copy of
         w1/w3 when small, see `layers.fused_weight`; None for large experts). Cached until the weights change."""
         ex = self.experts
-        w13 = fused_weight(self, "w13", [ex.w1, ex.w3], dim=1)
-        if w13 is None:
-            return None
-        key = (w13.data_ptr(), ex.w2.data_ptr(), ex.w2._version)
-        hit = self.__dict__.get("_views")
-        if hit is None or hit[0] != key:
+
+        def build():
+            w13 = fused_weight(self, "w13", [ex.w1, ex.w3], dim=1)
+            if w13 is None:
+                return None
             w13_t, w2_t = w13.transpose(1, 2), ex.w2.detach().transpose(1, 2)
-            hit = self._views = (key, ([w13_t[e] for e in range(w13.shape[0])], [w2_t[e] for e in range(w13.shape[0])]))
-        return hit[1]
+            return [w13_t[e] for e in range(w13.shape[0])], [w2_t[e] for e in range(w13.shape[0])]
+
+        return cached_on(self, "expert_views", [ex.w1, ex.w3, ex.w2], build)
 
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         """x: normed MoE input [B, T, D] -> [B, T, D].
