@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
-import zlib
 from collections.abc import Iterable
 
 import torch
+
+from openk3.plot import Canvas, format_number, text_width
 
 # Matmul peak per core of the project's CPU machine (benchmarks/common.py, machine-facts §1.3).
 PEAK_FLOPS_PER_CORE = {torch.float32: 95e9, torch.bfloat16: 210e9}
@@ -97,77 +97,7 @@ def losses_by_step(records: Iterable[dict], kind: str = "train", key: str = "los
     return {int(r["step"]): r[key] for r in records if r.get("kind") == kind and key in r}
 
 
-# ---- a minimal PNG line plot ------------------------------------------------------------------------
-
-# 3x5 bitmap glyphs for axis labels (rows top to bottom, 3 bits each, MSB = left).
-_GLYPHS = {
-    "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7), "2": (7, 1, 7, 4, 7), "3": (7, 1, 7, 1, 7), "4": (5, 5, 7, 1, 1),
-    "5": (7, 4, 7, 1, 7), "6": (7, 4, 7, 5, 7), "7": (7, 1, 1, 1, 1), "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 7),
-    ".": (0, 0, 0, 0, 2), "-": (0, 0, 7, 0, 0), "e": (0, 7, 7, 4, 7), "k": (4, 5, 6, 5, 5), " ": (0, 0, 0, 0, 0),
-}
-
-
-class _Canvas:
-    def __init__(self, w: int, h: int, bg=(255, 255, 255)) -> None:
-        self.w, self.h = w, h
-        self.px = bytearray(bytes(bg) * (w * h))
-
-    def set(self, x: int, y: int, c) -> None:
-        if 0 <= x < self.w and 0 <= y < self.h:
-            i = 3 * (y * self.w + x)
-            self.px[i:i + 3] = bytes(c)
-
-    def line(self, x0: int, y0: int, x1: int, y1: int, c, width: int = 1) -> None:
-        dx, dy = abs(x1 - x0), -abs(y1 - y0)
-        sx, sy = (1 if x0 < x1 else -1), (1 if y0 < y1 else -1)
-        err = dx + dy
-        while True:
-            for ox in range(width):
-                for oy in range(width):
-                    self.set(x0 + ox - width // 2, y0 + oy - width // 2, c)
-            if x0 == x1 and y0 == y1:
-                return
-            e2 = 2 * err
-            if e2 >= dy:
-                err += dy
-                x0 += sx
-            if e2 <= dx:
-                err += dx
-                y0 += sy
-
-    def dot(self, x: int, y: int, c, r: int = 2) -> None:
-        for ox in range(-r, r + 1):
-            for oy in range(-r, r + 1):
-                if ox * ox + oy * oy <= r * r:
-                    self.set(x + ox, y + oy, c)
-
-    def text(self, x: int, y: int, s: str, c=(0, 0, 0), scale: int = 2) -> None:
-        for ch in s:
-            rows = _GLYPHS.get(ch, _GLYPHS[" "])
-            for r, bits in enumerate(rows):
-                for col in range(3):
-                    if bits >> (2 - col) & 1:
-                        for ox in range(scale):
-                            for oy in range(scale):
-                                self.set(x + col * scale + ox, y + r * scale + oy, c)
-            x += 4 * scale
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(self.px[3 * y * self.w: 3 * (y + 1) * self.w]) for y in range(self.h))
-
-        def chunk(tag: bytes, data: bytes) -> bytes:
-            return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-
-        header = struct.pack(">IIBBBBB", self.w, self.h, 8, 2, 0, 0, 0)  # 8-bit RGB
-        body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
-        return b"\x89PNG\r\n\x1a\n" + body
-
-
-def _fmt(v: float) -> str:
-    if v == 0 or 0.01 <= abs(v) < 10000:
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-    return f"{v:.1e}".replace("+", "")
-
+# ---- loss.png (drawn with openk3.plot) ----------------------------------------------------------------
 
 TRAIN_COLOR = (31, 119, 180)
 VAL_COLOR = (214, 39, 40)
@@ -177,7 +107,7 @@ def plot_losses(train: dict[int, float], val: dict[int, float], path: str, *, wi
                 height: int = 400) -> None:
     """Write a PNG (atomically) of train loss (blue line) and validation loss (red line + dots) against
     step, with min/max labels on both axes."""
-    c = _Canvas(width, height)
+    c = Canvas(width, height)
     left, right, top, bottom = 70, 20, 20, 40
     pw, ph = width - left - right, height - top - bottom
     pts = [(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
@@ -213,15 +143,12 @@ def plot_losses(train: dict[int, float], val: dict[int, float], path: str, *, wi
                 if dots:
                     c.dot(*p, color, r=3)
                 prev = p
-        c.text(4, top, _fmt(hi))
-        c.text(4, top + ph - 10, _fmt(lo))
-        c.text(left, top + ph + 8, _fmt(s0))
-        label = _fmt(s1)
-        c.text(left + pw - 8 * len(label), top + ph + 8, label)
+        c.text(4, top, format_number(hi))
+        c.text(4, top + ph - 7, format_number(lo))
+        c.text(left, top + ph + 8, format_number(s0))
+        label = format_number(s1)
+        c.text(left + pw - text_width(label), top + ph + 8, label)
     # legend: a blue and a red swatch
     c.line(left + pw - 60, top + 8, left + pw - 40, top + 8, TRAIN_COLOR, width=3)
     c.line(left + pw - 30, top + 8, left + pw - 10, top + 8, VAL_COLOR, width=3)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        fh.write(c.png())
-    os.replace(tmp, path)
+    c.save(path)
