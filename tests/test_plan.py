@@ -85,11 +85,11 @@ def test_decode_roofline_by_hand_batch_one():
     m, lay, perf = r["memory"], r["deployment"]["layout"], r["performance"]
     assert lay == {"devices": 8, "tp": 8, "pp": 1, "ep": 8, "nodes": 1, "attention": "tp"}
     assert perf["decode_distinct_experts_per_layer"] == pytest.approx(16)
-    trunk_read = m["trunk_bytes"] + m["embedding_bytes"] / 2
+    trunk_read = m["trunk_bytes"] + m["embedding_bytes"] / 2 + 7168 * 2  # lm_head + one embedding row (bf16)
     experts = 92 * 16 * 17_547_264
     state = 2 * (m["kda_state_bytes_per_sequence"] + m["kda_conv_bytes_per_sequence"])
     mla = 27_648 * 4096
-    assert perf["decode_bytes_per_step"] == pytest.approx(trunk_read + experts + state + mla)
+    assert perf["decode_bytes_per_step"] == pytest.approx(trunk_read + experts + state + mla, rel=1e-12)
     per_dev = experts / 8 + trunk_read / 8 + state / 8 + mla  # latent replicated on each TP rank
     comm = 93 * 2 * (2 * 7168) * 2 * 7 / 8 / hw.interconnect_bandwidth  # two ring all-reduces per layer, TP8
     assert perf["decode_comm_ms"] == pytest.approx(1e3 * comm)
@@ -242,3 +242,179 @@ def test_docs_catalogue_is_current():
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
     assert hardware.markdown_table().strip() in doc, "docs/planner.md: regenerate the catalogue section"
+
+
+# ---- review: the worked example by hand, layouts, bad input, awkward hardware, docs in step ----------
+
+def test_worked_example_by_hand_from_spec_numbers():
+    """docs/planner.md's B300 example recomputed from spec §1.3/§2/§8 constants only (not the planner's
+    memory dict): TP8, eight 128K sequences, MLA latent on every TP rank, KDA state split by heads."""
+    r = plan("k3", hardware_key="b300", serve_spec=ServeSpec(context=131072, concurrency=8))
+    hw, B, ctx = hardware.get("b300"), 8, 131072
+    trunk = 113_509_540_864  # non-routed bf16 + fp32 islands = text total_size - 92 x 896 x 17,547,264
+    assert trunk == 1_559_965_606_912 - 92 * 896 * 17_547_264 == r["memory"]["non_routed_bytes"]
+    trunk_read = trunk - 163840 * 7168 * 2 + B * 7168 * 2  # the embedding table: only B rows
+    distinct = 896 * (1 - (1 - 16 / 896) ** B)
+    kda, conv, mla = 69 * 96 * 128 * 128 * 4, 69 * 3 * 12288 * 3 * 2, 24 * 576 * 2 * ctx
+    experts = 92 * distinct * 17_547_264
+    per_dev = (experts + trunk_read + B * 2 * (kda + conv)) / 8 + B * mla  # latent replicated on 8 ranks
+    comm = B * 93 * 2 * (2 * 7168) * 2 * 7 / 8 / hw.interconnect_bandwidth
+    step = per_dev / hw.memory_bandwidth + comm
+    p = r["performance"]
+    assert p["decode_bytes_per_step"] == pytest.approx(experts + trunk_read + B * (2 * (kda + conv) + mla), rel=1e-12)
+    assert p["decode_step_ms"] == pytest.approx(1e3 * step, rel=1e-12) and p["decode_bound"] == "memory"
+    assert r["cost"]["usd_per_million_output_tokens"] == pytest.approx(8 * 6.125 / (B / step * 3600) * 1e6)
+    dev = r["deployment"]["per_device_bytes"]
+    assert dev["mla_cache"] == B * mla and dev["kda_state"] == B * (kda + conv) / 8
+    assert dev["weights"] == pytest.approx(1_559_965_606_912 / 8)
+    free = 0.9 * hw.memory_bytes - dev["weights"] - dev["activations"]
+    assert r["deployment"]["max_concurrency_at_context"] == int(free // ((kda + conv) / 8 + mla)) == 17
+
+
+def test_layout_ep_per_stage_nodes_and_forced_counts():
+    k3 = preset("k3")
+    lay = serve.plan(k3, hardware.get("b200"), ServeSpec())["deployment"]["layout"]
+    # a layer's experts live in its stage: EP is the stage's 8 GPUs, not all 16
+    assert lay == {"devices": 16, "tp": 8, "pp": 2, "ep": 8, "nodes": 2, "attention": "tp"}
+    lay = serve.plan(k3, hardware.get("rtx4090"), ServeSpec())["deployment"]["layout"]
+    assert lay["tp"] == 4 and lay["nodes"] == lay["pp"]  # TP4 on a six-GPU box: one stage per box
+    odd = serve.plan(k3, hardware.get("h100"), ServeSpec(devices=3))
+    assert odd["deployment"]["layout"]["tp"] == 1 and odd["deployment"]["layout"]["pp"] == 3
+    assert odd["deployment"]["fits"] is False and odd["deployment"]["max_concurrency_at_context"] == 0
+    with pytest.raises(ValueError, match="devices 1000 .*PP125.*at most 744"):
+        serve.plan(k3, hardware.get("h100"), ServeSpec(devices=1000))
+
+
+def test_dp_attention_capacity_and_decode_compute():
+    """DP attention: whole sequences per rank (capacity adds up over a stage's ranks, whatever the batch);
+    at batch 1 one rank runs the trunk and attention alone, only the experts are shared."""
+    cfg, hw = preset("k3"), hardware.get("b300")
+    one, eight = (serve.plan(cfg, hw, ServeSpec(context=8192, concurrency=c, devices=16, attention="dp"))
+                  for c in (1, 8))
+    assert one["deployment"]["max_concurrency_at_context"] == eight["deployment"]["max_concurrency_at_context"]
+    m, dev = one["memory"], one["deployment"]["per_device_bytes"]
+    free = 0.9 * hw.memory_bytes - dev["weights"] - dev["activations"]
+    per_seq = (m["kda_state_bytes_per_sequence"] + m["kda_conv_bytes_per_sequence"]
+               + m["mla_cache_bytes_per_sequence"]) / 2
+    assert one["deployment"]["max_concurrency_at_context"] == 8 * int(free // per_seq)
+    slow = serve.plan(cfg, hw, ServeSpec(context=8192, concurrency=1, devices=16, attention="dp", mfu=1e-3))
+    fl = slow["performance"]["decode_flops_breakdown"]
+    compute = fl["routed"] / (1e-3 * hw.flops["fp4"]) / 16 + fl["other"] / (1e-3 * hw.flops["bf16"]) / 2
+    assert slow["performance"]["decode_bound"] == "compute"
+    assert slow["performance"]["decode_step_ms"] == pytest.approx(1e3 * 2 * compute, rel=1e-3)  # + a tiny comm
+
+
+def test_time_to_first_token_fills_the_pipeline():
+    r = serve.plan(preset("k3"), hardware.get("h200"), ServeSpec(context=131072))
+    p, pp = r["performance"], r["deployment"]["layout"]["pp"]
+    assert pp == 2
+    assert p["time_to_first_token_s"] == pytest.approx((131072 / 8192 + pp - 1) * 8192 / p["prefill_tokens_per_s"])
+
+
+@pytest.mark.parametrize("key,args", [
+    ("rtx4090", dict(attention="dp")), ("rtx4090", dict(context=4096)), ("m3-ultra", {}), ("cpu-ddr5", {}),
+    ("h100", dict(devices=3)), ("gb200", dict(concurrency=512, context=8192)), ("a100", dict(usable_memory=1e-6)),
+    ("h200", dict(context=10**12)), ("mi300x", dict(expert_format="int4", trunk_format="int8"))])
+def test_awkward_plans_are_finite_and_render(key, args):
+    r = plan("k3", hardware_key=key, serve_spec=ServeSpec(**args))
+    text = json.dumps(r, allow_nan=False)  # NaN or inf would raise here
+    json.loads(text, parse_float=lambda v: float(v) if float(v) >= 0 else pytest.fail(f"negative {v}"),
+               parse_int=lambda v: int(v) if int(v) >= 0 else pytest.fail(f"negative {v}"))
+    from openk3.plan import report
+
+    out = report.text(r)
+    assert "Deployment on" in out and not any(w in out.split() for w in ("nan", "inf", "$inf"))
+    if not r["deployment"]["fits"] and "layout" not in r["deployment"]:
+        assert "need" in r["deployment"]["reason"] and "performance" not in r
+
+
+def test_multi_machine_apple_and_small_models():
+    m3 = plan("k3", hardware_key="m3-ultra", serve_spec=ServeSpec())
+    assert m3["deployment"]["layout"] == {"devices": 4, "tp": 1, "pp": 4, "ep": 1, "nodes": 4, "attention": "tp"}
+    assert m3["performance"]["decode_comm_ms"] == 0  # no TP over Thunderbolt; PP hand-offs are not modelled
+    nano = plan("nano", hardware_key="cpu-ddr5", serve_spec=ServeSpec())
+    assert nano["deployment"]["layout"]["devices"] == 1 and nano["train"]["gpus"] == 1
+
+
+def _main(capsys, *args):
+    import openk3.__main__ as cli
+
+    try:
+        rc = cli.main(["plan", *map(str, args)])
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
+    bad_json, wrong_type = tmp_path / "bad.json", tmp_path / "wrong.json"
+    bad_json.write_text("{not json")
+    cfg = preset("nano").to_dict()
+    cfg["linear_attn_config"]["full_attn_layers"] = 4
+    wrong_type.write_text(json.dumps(cfg))
+    cases = [
+        (["--context", 0], "context"), (["--concurrency", -1], "concurrency"), (["--usable", 1.5], "usable_memory"),
+        (["--mbu", 0], "mbu"), (["--mfu", "nan"], "mfu"), (["--devices", 0], "devices"),
+        (["--devices", 10**6], "devices 1000000"), (["--prefill-chunk", 0], "prefill_chunk"),
+        (["--train-tokens", -5], "tokens"), (["--train-tokens", "inf"], "tokens"), (["--seq-len", 0], "seq_len"),
+        (["--micro-batch-tokens", 0], "micro_batch_tokens"), (["--train-mfu", 2], "training mfu"),
+        (["--train-gpus", 0], "gpus"), (["--set", "foo"], "foo"), (["--set", "num_experts=abc"], "num_experts"),
+        (["--set", "linear_attn_config=5"], "linear_attn_config"), (["--set", "moe_layer_freq=x"], "moe_layer_freq"),
+        (["--set", "num_shared_experts=-1"], "num_shared_experts"),
+        (["--set", "num_hidden_layers=1000000000"], "num_hidden_layers"),
+        (["--config", "/nonexistent.json"], "/nonexistent.json"), (["--config", tmp_path], str(tmp_path)),
+        (["--config", bad_json], str(bad_json)), (["--config", wrong_type], "linear_attn_config.full_attn_layers"),
+        (["--hardware", "nope"], "nope"), (["--preset", "foo"], "foo"),
+        (["--plot", tmp_path / "missing" / "x.png"], "--plot"), (["--plot", tmp_path], "--plot"),
+        (["--context", "abc"], "--context"),
+    ]
+    for args, needle in cases:
+        rc, out, err = _main(capsys, *args)
+        assert rc == 2, (args, rc, err)
+        last = err.strip().splitlines()[-1]  # argparse's own errors print the usage above it
+        assert needle in last and last.startswith("openk3 plan: error:") and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1 or err.startswith("usage:"), (args, err)
+
+
+def test_no_fit_prints_a_table_and_valid_json(capsys):
+    rc, out, _ = _main(capsys, "--hardware", "rtx4090", "--usable", "0.001")
+    assert rc == 0 and "fits  no:" in out and "Training" in out
+    rc, out, _ = _main(capsys, "--hardware", "rtx4090", "--usable", "0.001", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["deployment"]["fits"] is False and "performance" not in d and d["train"]["gpus"] is None
+    rc, out, _ = _main(capsys, "--train-gpus", "8")
+    assert rc == 0 and "does NOT fit" in out
+
+
+def test_plot_curve_is_the_planned_budget(tmp_path):
+    from openk3.plan import report
+
+    cfg, hw = preset("k3"), hardware.get("b300")
+    for spec in (ServeSpec(context=131072, concurrency=8), ServeSpec(context=8192, concurrency=64, attention="dp")):
+        r = serve.plan(cfg, hw, spec)
+        lay = serve.Layout(**r["deployment"]["layout"])
+        row = report.memory_curve(cfg, spec, [spec.context], lay)[0]
+        total = sum(row[k] for k in ("weights", "activations", "kda_state", "mla_cache"))
+        assert total == pytest.approx(r["deployment"]["per_device_bytes"]["total"] * lay.devices)
+    png = tmp_path / "dp.png"
+    report.plot_memory(plan("k3", hardware_key="b300", serve_spec=spec), cfg, hw, spec, str(png))
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_docs_worked_example_roofline_and_audit_are_current():
+    from pathlib import Path
+
+    from openk3.plan import report
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "planner.md").read_text()
+    r = plan("k3", hardware_key="b300", serve_spec=ServeSpec(context=131072, concurrency=8))
+    assert report.text(r) + "wrote docs/planner_memory.png\n" in doc, "docs/planner.md: rerun the worked example"
+    cfg, hw = preset("k3"), hardware.get("b300")
+    for c in (1, 16, 64):  # the "roofline against measured engines" table
+        step = serve.plan(cfg, hw, ServeSpec(context=8704, concurrency=c))["performance"]["decode_step_ms"]
+        assert f"| {step:.2f} ms |" in doc, c
+    ttft = serve.plan(cfg, hw, ServeSpec(context=8192))["performance"]["time_to_first_token_s"]
+    assert f"| {1e3 * ttft:.0f} ms |" in doc
+    for it in audit.audit():
+        assert f"| {it['claim']} | {it['claimed']} | {it['corrected']} |" in doc, it["claim"]

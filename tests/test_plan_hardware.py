@@ -107,6 +107,8 @@ def test_invalid_entry_rejected():
         dataclasses.replace(h, flops={"fp8": 1.0})
     with pytest.raises(ValueError):
         dataclasses.replace(h, kind="tpu")
+    with pytest.raises(ValueError, match="interconnect"):  # 8 GPUs per node that cannot talk: TP would divide by 0
+        dataclasses.replace(h, interconnect_bandwidth=0.0)
     assert len({h, get("a100"), get("h100")}) == 2  # hashable by key
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from openk3.plan.formats import STATE_FORMATS, WEIGHT_FORMATS
 
@@ -74,6 +75,11 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(hardware.markdown_table())
         return 0
+    if args.plot:  # fail before planning, naming the flag (the writer would report "<path>.tmp")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder) or os.path.isdir(args.plot):
+            raise ValueError(f"--plot {args.plot}: " + ("is a directory" if os.path.isdir(args.plot)
+                                                       else f"directory {folder} does not exist"))
     cfg, name = models.resolve(args.preset, args.config, args.overrides)
     fmts = models.release_formats(args.preset or ("k3" if not args.config else ""))
     for role in ("expert", "trunk", "embedding"):
@@ -88,7 +94,10 @@ def main(args: argparse.Namespace) -> int:
                       micro_batch_tokens=args.micro_batch_tokens, usable_memory=args.usable)
     result = plan(cfg, hardware_key=args.hardware, serve_spec=spec, train_spec=tspec, name=name)
     if args.plot:
-        report.plot_memory(result, cfg, hardware.get(args.hardware), spec, args.plot)
+        try:
+            report.plot_memory(result, cfg, hardware.get(args.hardware), spec, args.plot)
+        except OSError as e:  # e.g. a read-only folder: one line, not a traceback
+            raise ValueError(f"--plot {args.plot}: cannot write it ({e.strerror or e})") from None
     print(json.dumps(result, indent=2) if args.json else report.text(result), end="\n" if args.json else "")
     if args.plot and not args.json:
         print(f"wrote {args.plot}")

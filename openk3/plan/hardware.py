@@ -4,8 +4,7 @@ Every number carries a citation in `Hardware.sources` ("<document>, <URL>", plus
 arithmetic and "(as of <month year>)" for prices). Conventions, so the devices compare like for like:
 
 * FLOP/s are dense peaks (no 2:4 sparsity). Vendors mostly print sparse figures; those are halved.
-* Interconnect bandwidth is per device and per direction. Vendors mostly print the bidirectional total;
-  those are halved.
+* Interconnect bandwidth is per device and per direction. Vendors mostly print bidirectional totals: halved.
 * memory_bytes is decimal as the vendor states it (80 GB -> 80 * 10**9); a "device" is one GPU, or the
   whole machine for the Apple and CPU entries.
 * Prices are USD per device-hour at on-demand list rates (Apple: purchase price amortised over 3 years).
@@ -46,6 +45,8 @@ class Hardware:
             raise ValueError(f"{self.key}: kind {self.kind!r} not in {KINDS}")
         if "bf16" not in self.flops or not set(self.flops) <= set(FORMATS):
             raise ValueError(f"{self.key}: flops keys {sorted(self.flops)} must include bf16 and be among {FORMATS}")
+        if self.devices_per_node > 1 and not self.interconnect_bandwidth > 0:  # TP groups must talk
+            raise ValueError(f"{self.key}: {self.devices_per_node} devices per node need an interconnect bandwidth")
         wanted = {*_NUMERIC, *(f"flops.{f}" for f in self.flops)}
         if set(self.sources) != wanted:
             raise ValueError(f"{self.key}: sources {sorted(self.sources)} != cited fields {sorted(wanted)}")

@@ -8,9 +8,13 @@ FLOP the planner counts, so the counts are K2's own.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import types
+import typing
 
 from openk3.config import PRESETS, K3Config, LinearAttnConfig, preset
+from openk3.fsutil import read_json
 
 # Figures the vendors publish, printed next to ours (docs/planner.md explains the differences).
 PUBLISHED = {
@@ -51,7 +55,12 @@ PLAN_PRESETS = {**PRESETS, "k2": k2}
 
 
 def plan_preset(name: str) -> K3Config:
-    return k2() if name == "k2" else preset(name)
+    if name == "k2":
+        return k2()
+    try:
+        return preset(name)
+    except ValueError as e:  # openk3.config lists its own presets; the planner adds k2
+        raise ValueError(f"{e}; or 'k2' (Kimi K2, planner only)") from None
 
 
 def parse_overrides(items: list[str] | None) -> dict:
@@ -70,14 +79,97 @@ def parse_overrides(items: list[str] | None) -> dict:
 
 def resolve(preset_name: str | None = None, config_path: str | None = None,
             overrides: list[str] | None = None) -> tuple[K3Config, str]:
-    """The config to plan for and a display name; overrides apply on top (re-validated)."""
+    """The config to plan for and a display name; overrides apply on top (re-validated). Every bad
+    input is a ValueError naming the file or field: the CLI prints it as one line."""
     if config_path:
-        cfg, name = K3Config.from_json(config_path), config_path
+        cfg, name = _load(config_path), config_path
     else:
         name = preset_name or "k3"
         cfg = plan_preset(name)
     changes = parse_overrides(overrides)
     if changes:
-        cfg = cfg.replace(**changes)
+        merged = dataclasses.asdict(cfg)
+        for key, value in changes.items():
+            head, _, leaf = key.partition(".")
+            if leaf and isinstance(merged.get(head), dict) and leaf in merged[head]:
+                merged[head][leaf] = value
+            elif not leaf and head in merged:
+                merged[head] = value
+        check_types(merged, "--set")
+        try:
+            cfg = cfg.replace(**changes)
+        except (TypeError, AttributeError) as e:  # openk3.config raises these for shapes check_types missed
+            raise ValueError(f"--set {', '.join(changes)}: {e}") from None
         name += " (" + ", ".join(f"{k}={v}" for k, v in changes.items()) + ")"
     return cfg, name
+
+
+def _load(path: str) -> K3Config:
+    try:
+        raw = read_json(path)
+    except OSError as e:  # missing file, a directory, no permission: name the path, no traceback
+        raise ValueError(f"config {path}: cannot read it ({e.strerror or e})") from None
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else raw
+    if isinstance(text, dict):
+        check_types(text, path)
+    try:
+        return K3Config.from_dict(raw, source=path)
+    except (TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+# The planner loops over layers and multiplies sizes: bound them so a typo cannot exhaust memory.
+_MAX_LAYERS, _MAX_SIZE = 100_000, 10**9
+# Fields openk3.config leaves unchecked whose negative values would give negative parameter counts.
+_LEAST = {"q_lora_rank": 0, "num_shared_experts": 0, "max_position_embeddings": 1}
+
+
+def check_types(d: dict, source: str) -> None:
+    """Type-check a text_config dict against K3Config's annotations before openk3.config sees it (its
+    validate() compares values and would raise TypeError on a string or a list where a number belongs)."""
+    sub = d.get("linear_attn_config")
+    if "linear_attn_config" in d and not isinstance(sub, dict):
+        raise ValueError(f"{source}: config field 'linear_attn_config' must be an object, got {sub!r}")
+    for cls, fields, prefix in ((K3Config, d, ""), (LinearAttnConfig, sub or {}, "linear_attn_config.")):
+        hints = typing.get_type_hints(cls)
+        for name, value in fields.items():
+            if name not in hints or name in ("extra", "linear_attn_config"):
+                continue
+            problem = _type_problem(hints[name], value)
+            if problem is None and name == "num_hidden_layers" and value > _MAX_LAYERS:
+                problem = f"at most {_MAX_LAYERS:,}"
+            elif problem is None and _is(int, value) and value > _MAX_SIZE:
+                problem = f"at most {_MAX_SIZE:,}"
+            elif problem is None and _is(int, value) and value < _LEAST.get(prefix + name, value):
+                problem = f">= {_LEAST[prefix + name]}"
+            if problem:
+                raise ValueError(f"{source}: config field '{prefix}{name}' must be {problem}, got {value!r}")
+
+
+_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _type_problem(hint, value) -> str | None:
+    """None if `value` fits annotation `hint`, else what it should be (only the kinds K3Config uses)."""
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if any(_is(k, value) for k in kinds):
+        return None
+    return " or ".join(_describe(k) for k in kinds)
+
+
+def _is(kind, value) -> bool:
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_is(typing.get_args(kind)[0], v) for v in value)
+    if kind in (int, float) and isinstance(value, bool):  # JSON true is not a size
+        return False
+    return isinstance(value, (int, float) if kind is float else kind) if kind in _NAMES else True
+
+
+def _describe(kind) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is list:
+        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(kind)[0], "values")
+    return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))

@@ -67,7 +67,7 @@ def text(r: dict) -> str:
             ("per device", f"{human_bytes(dev['total'])} of {human_bytes(dep['usable_bytes_per_device'])} usable: "
                            f"weights {human_bytes(dev['weights'])}, KDA {human_bytes(dev['kda_state'])}, "
                            f"MLA {human_bytes(dev['mla_cache'])}, activations {human_bytes(dev['activations'])}"),
-            ("max sequences at this context", f"{dep['max_concurrency_at_context']:,}"),
+            ("max sequences at this context", f"{dep['max_concurrency_at_context'] or 0:,}"),
         ], head)
         p, c = r["performance"], r["cost"]
         lines += _table([
@@ -98,7 +98,9 @@ def text(r: dict) -> str:
         ("total FLOPs", f"{t['total_flops']:.3e}"),
         (f"{hw['key']} GPU-hours at {t['mfu']:.0%} MFU ({t['precision']})",
          f"{t['gpu_hours']:,.0f} (${t['cost_usd']:,.0f})"),
-        ("GPUs to fit (sharded)", f"{t['gpus']:,}" + (f" ({t['days']:,.1f} days)" if t["days"] else "")
+        ("GPUs (sharded)" if t["spec"]["gpus"] else "GPUs to fit (sharded)",
+         f"{t['gpus']:,}" + (f" ({t['days']:,.1f} days)" if t["days"] else "")
+         + ("" if t["fits"] else f"; does NOT fit in {t['spec']['usable_memory']:.0%} of each GPU")
          if t["gpus"] else "none: the unsharded part alone does not fit"),
         ("per GPU", f"{human_bytes(tg['total'])}: state {human_bytes(tg['sharded_state'])}, gathered layer "
                     f"{human_bytes(tg['gathered_weights'])}, activations {human_bytes(tg['activations'])}, "
@@ -116,16 +118,22 @@ def audit_text(items: list[dict]) -> str:
     return "\n".join(out)
 
 
-def memory_curve(cfg, spec: serve.ServeSpec, contexts: list[int], tp_copies: int = 1) -> list[dict]:
-    """Deployment memory (all devices together) at each context for `spec.concurrency` sequences;
-    `tp_copies` = how many ranks hold each MLA latent (the TP degree with tensor-parallel attention)."""
+def memory_curve(cfg, spec: serve.ServeSpec, contexts: list[int], lay: serve.Layout | None = None) -> list[dict]:
+    """Deployment memory at each context for `spec.concurrency` sequences, by component. With a layout,
+    as the planner budgets it (the fullest device x devices: the MLA latent once per TP rank, the trunk
+    once per rank under DP attention, a prefill workspace per stage); without one, the bare model."""
     out = []
     for ctx in contexts:
         sp = serve.ServeSpec(**{**spec.__dict__, "context": ctx})
         m = serve.memory(cfg, sp)
+        if lay is not None:
+            dev = serve.per_device_bytes(cfg, sp, m, lay)
+            out.append({"context": ctx, **{k: dev[k] * lay.devices for k in ("weights", "activations", "kda_state",
+                                                                               "mla_cache")}})
+            continue
         out.append({"context": ctx, "weights": m["weights_bytes"], "activations": m["activation_bytes"],
                     "kda_state": (m["kda_state_bytes_per_sequence"] + m["kda_conv_bytes_per_sequence"])
-                    * sp.concurrency, "mla_cache": m["mla_cache_bytes_per_sequence"] * sp.concurrency * tp_copies})
+                    * sp.concurrency, "mla_cache": m["mla_cache_bytes_per_sequence"] * sp.concurrency})
     return out
 
 
@@ -145,9 +153,10 @@ def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
     top = max(cfg.max_position_embeddings, spec.context)
     contexts = sorted({2 ** e for e in range(10, int(math.log2(top)) + 1)} | {spec.context, top})
     lay = r["deployment"].get("layout")
-    copies = lay["tp"] if lay and lay["attention"] == "tp" else 1
-    rows = memory_curve(cfg, spec, contexts, copies)
+    layout = serve.Layout(**lay) if lay else None
+    rows = memory_curve(cfg, spec, contexts, layout)
     stacks, base = [], [0.0] * len(rows)
+    copies = lay["tp"] if lay and lay["attention"] == "tp" else 1
     mla_label = f"MLA cache (x{copies} TP copies)" if copies > 1 else "MLA cache"
     for key, label, color in (("weights", "weights", (31, 119, 180)), ("activations", "activations", (148, 103, 189)),
                               ("kda_state", "KDA state", (44, 160, 44)), ("mla_cache", mla_label, (214, 39, 40))):
@@ -155,8 +164,10 @@ def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
         stacks.append(Series(label, list(zip(contexts, top_vals)), color, fill_to=list(zip(contexts, base))))
         base = top_vals
     hlines = []
-    if lay:
-        hlines.append((f"{lay['devices']}x {hw.key} memory", lay["devices"] * hw.memory_bytes, (0, 0, 0)))
+    if lay:  # the fit test uses the usable share; the full memory is drawn for reference
+        n = lay["devices"]
+        hlines += [(f"{n}x {hw.key} usable ({spec.usable_memory:.0%})", n * hw.memory_bytes * spec.usable_memory,
+                    (0, 0, 0)), (f"{n}x {hw.key} memory", n * hw.memory_bytes, (150, 150, 150))]
     line_chart(path, stacks, title=f"{r['model']} on {hw.key}: memory vs context, {spec.concurrency} sequence(s)",
                x_label="context (tokens)", y_label="bytes", hlines=hlines, x_log=True, x_format=_tokens,
                y_format=format_bytes)

@@ -49,9 +49,10 @@ class ServeSpec:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("usable_memory", "mbu", "mfu"):
             v = getattr(self, name)
-            if not 0 < v <= 1:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:  # NaN fails too
                 raise ValueError(f"{name} must be in (0, 1], got {v!r}")
-        if self.devices is not None and (not isinstance(self.devices, int) or self.devices < 1):
+        if self.devices is not None and (not isinstance(self.devices, int) or isinstance(self.devices, bool)
+                                         or self.devices < 1):
             raise ValueError(f"devices must be a positive integer, got {self.devices!r}")
         if self.attention not in ("tp", "dp"):
             raise ValueError(f"attention must be 'tp' or 'dp', got {self.attention!r}")
@@ -106,8 +107,8 @@ class Layout:
     devices: int
     tp: int  # attention / dense tensor parallelism (inside a node)
     pp: int  # pipeline stages (across nodes)
-    ep: int  # expert parallelism (all devices)
-    nodes: int
+    ep: int  # expert parallelism: the devices of one stage share each of its layers' experts
+    nodes: int  # a stage's TP group never straddles two nodes
     attention: str
 
     def to_dict(self) -> dict:
@@ -124,10 +125,14 @@ def _tp_max(cfg: K3Config, hw: Hardware) -> int:
 
 
 def layout_for(cfg: K3Config, hw: Hardware, n: int, attention: str) -> Layout:
+    """TP as wide as the heads and a node allow (narrowed until it divides `n`), the rest pipeline
+    stages. A layer's experts live in its stage, so EP = devices per stage (= TP), not all devices."""
     tp = _tp_max(cfg, hw)
     while n % tp:
         tp //= 2
-    return Layout(devices=n, tp=tp, pp=n // tp, ep=n, nodes=math.ceil(n / hw.devices_per_node), attention=attention)
+    pp = n // tp
+    stages_per_node = max(1, hw.devices_per_node // tp)  # e.g. TP4 on a 6-GPU box: one stage per box
+    return Layout(devices=n, tp=tp, pp=pp, ep=tp, nodes=math.ceil(pp / stages_per_node), attention=attention)
 
 
 def per_device_bytes(cfg: K3Config, spec: ServeSpec, mem: dict, lay: Layout) -> dict:
@@ -152,7 +157,12 @@ def per_device_bytes(cfg: K3Config, spec: ServeSpec, mem: dict, lay: Layout) -> 
 def choose_layout(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict, max_devices: int = 65536) -> Layout | None:
     """The fewest devices (1, 2, 4, .., TP, then multiples of TP) whose fullest device fits."""
     if spec.devices is not None:
-        return layout_for(cfg, hw, spec.devices, spec.attention)
+        lay = layout_for(cfg, hw, spec.devices, spec.attention)
+        if lay.pp > cfg.num_hidden_layers:  # a stage needs at least one layer
+            most = cfg.num_hidden_layers * _tp_max(cfg, hw)
+            raise ValueError(f"devices {spec.devices} on {hw.key} means TP{lay.tp} x PP{lay.pp}, more pipeline "
+                             f"stages than the {cfg.num_hidden_layers} layers; use at most {most} devices")
+        return lay
     budget = hw.memory_bytes * spec.usable_memory
     tp = _tp_max(cfg, hw)
     candidates = [d for d in (1, 2, 4, 8) if d <= tp] + list(range(2 * tp, max_devices + 1, tp))
@@ -180,8 +190,8 @@ def comm_seconds(cfg: K3Config, hw: Hardware, lay: Layout, tokens: int) -> float
     per_stage = lay.devices // lay.pp
     if per_stage == 1:
         return 0.0
-    if bw <= 0:
-        return math.inf
+    if bw <= 0:  # Hardware rejects this for multi-device nodes; a forced layout must not divide by zero
+        raise ValueError(f"hardware {hw.key} has no interconnect, so a stage cannot span {per_stage} devices")
     if lay.attention == "tp":
         layers = cfg.num_hidden_layers / lay.pp
         return tokens * layers * 2 * (2 * cfg.hidden_size) * 2 * (lay.tp - 1) / lay.tp / bw
@@ -203,18 +213,25 @@ def roofline(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict, lay: Layou
     peak_other = hw.flops_for(t_fmt.compute)[0] * spec.mfu
 
     # ---- decode: one step advances all B sequences by a token ----
+    dp = lay.attention == "dp"
+    seqs = math.ceil(B / (n // pp)) if dp else B  # sequences whose attention and trunk one device runs
     distinct = expected_distinct_experts(cfg, B)
     expert_bytes = moe_layers * distinct * mem["expert_bytes_each"]
-    trunk_read = mem["non_routed_bytes"] - mem["embedding_bytes"] / 2  # lm_head read in full, B embedding rows
+    # lm_head read in full; of the embedding table only the B looked-up rows
+    emb_row = mem["embedding_bytes"] / 2 / cfg.vocab_size
+    trunk_read = mem["non_routed_bytes"] - mem["embedding_bytes"] / 2 + B * emb_row
     state_rw = 2 * (mem["kda_state_bytes_per_sequence"] + mem["kda_conv_bytes_per_sequence"])
     mla_read = mem["mla_cache_bytes_per_sequence"]
-    if lay.attention == "tp":
+    if not dp:
         dev_bytes = expert_bytes / n + trunk_read / (tp * pp) + B * state_rw / (tp * pp) + B * mla_read / pp
     else:
-        seqs = math.ceil(B / (n // pp))
         dev_bytes = expert_bytes / n + trunk_read / pp + seqs * (state_rw + mla_read) / pp
     fl = counts.decode_flops_per_token(cfg, spec.context, p)
-    dev_time_compute = B * (fl["routed"] / peak_routed + fl["other"] / peak_other) / n
+    # experts: the B tokens' routed work spreads over each stage's EP group either way; the rest is split
+    # by heads (TP) or done whole by the device that holds the sequence (DP attention)
+    routed_time = B * fl["routed"] / peak_routed / n
+    other_time = (seqs * fl["other"] / peak_other / pp) if dp else (B * fl["other"] / peak_other / n)
+    dev_time_compute = routed_time + other_time
     dev_time_memory = dev_bytes / bw
     comm = comm_seconds(cfg, hw, lay, B)
     step = pp * (max(dev_time_compute, dev_time_memory) + comm)  # stages run in turn for one batch
@@ -224,10 +241,17 @@ def roofline(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict, lay: Layou
     pf = counts.prefill_flops_per_token(cfg, spec.context, p)
     chunk = min(spec.prefill_chunk, spec.context)
     t_compute = chunk * (pf["routed"] / peak_routed + pf["other"] / peak_other) / n
-    touched = moe_layers * expected_distinct_experts(cfg, chunk) * mem["expert_bytes_each"] + trunk_read
-    t_memory = touched / (n * bw)
+    touched_experts = moe_layers * expected_distinct_experts(cfg, chunk) * mem["expert_bytes_each"]
+    t_memory = (touched_experts + trunk_read) / (n * bw)
     t_comm = comm_seconds(cfg, hw, lay, chunk)
     prefill_tps = chunk / (max(t_compute, t_memory) + t_comm)
+    # One prompt alone: its chunks fill the pipeline ((pp - 1) extra stage times), and under DP attention
+    # a single rank per stage runs its trunk and attention (experts still spread over the stage).
+    ranks = 1 if dp else tp
+    one_c = chunk * (pf["routed"] / peak_routed / tp + pf["other"] / peak_other / ranks) / pp
+    one_m = (touched_experts / tp + trunk_read / ranks) / (pp * bw)
+    one_stage = max(one_c, one_m) + comm_seconds(cfg, hw, lay, chunk * (n // pp if dp else 1))
+    ttft = (spec.context / chunk + pp - 1) * one_stage
     return {
         "decode_tokens_per_s": decode_tps, "decode_tokens_per_s_per_sequence": 1.0 / step,
         "decode_step_ms": 1e3 * step, "decode_comm_ms": 1e3 * pp * comm,
@@ -238,7 +262,7 @@ def roofline(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict, lay: Layou
         "decode_flops_per_token": fl["total"], "decode_flops_breakdown": fl,
         "prefill_tokens_per_s": prefill_tps, "prefill_flops_per_token": pf["total"], "prefill_flops_breakdown": pf,
         "prefill_bound": "compute" if t_compute >= t_memory else "memory",
-        "time_to_first_token_s": spec.context / prefill_tps,
+        "time_to_first_token_s": ttft,
         "compute_formats": {"routed": hw.flops_for(e_fmt.compute)[1], "other": hw.flops_for(t_fmt.compute)[1]},
     }
 
@@ -258,11 +282,10 @@ def plan(cfg: K3Config, hw: Hardware, spec: ServeSpec) -> dict:
     dev = per_device_bytes(cfg, spec, mem, lay)
     budget = hw.memory_bytes * spec.usable_memory
     free = budget - (dev["total"] - dev["kda_state"] - dev["mla_cache"])
-    per_seq_dev = (dev["kda_state"] + dev["mla_cache"]) / spec.concurrency
     out["deployment"] = {
         "fits": dev["total"] <= budget, "layout": lay.to_dict(), "per_device_bytes": dev,
         "device_memory_bytes": hw.memory_bytes, "usable_bytes_per_device": budget,
-        "max_concurrency_at_context": max(0, int(free // per_seq_dev)) if per_seq_dev > 0 else None,
+        "max_concurrency_at_context": max_concurrency(mem, lay, free),
     }
     perf = roofline(cfg, hw, spec, mem, lay, p)
     usd_h = hw.price_per_hour * lay.devices
@@ -273,12 +296,28 @@ def plan(cfg: K3Config, hw: Hardware, spec: ServeSpec) -> dict:
     return out
 
 
+def max_concurrency(mem: dict, lay: Layout, free: float) -> int | None:
+    """Sequences of the planned context the deployment can hold in `free` bytes per device. TP attention:
+    every sequence is on every rank (KDA heads split, latent replicated). DP attention: whole sequences
+    per rank, so the ranks of a stage add up."""
+    kda = mem["kda_state_bytes_per_sequence"] + mem["kda_conv_bytes_per_sequence"]
+    mla = mem["mla_cache_bytes_per_sequence"]
+    if lay.attention == "tp":
+        per_seq, holders = kda / (lay.tp * lay.pp) + mla / lay.pp, 1
+    else:
+        per_seq, holders = (kda + mla) / lay.pp, lay.devices // lay.pp
+    return holders * max(0, int(free // per_seq)) if per_seq > 0 else None
+
+
 def _no_fit_reason(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict) -> str:
     budget = hw.memory_bytes * spec.usable_memory
     if spec.attention == "dp" and mem["non_routed_bytes"] > budget * cfg.num_hidden_layers:
         return "data-parallel attention replicates the non-routed weights, which exceed even one layer per device"
-    return (f"no layout of up to {cfg.num_hidden_layers} pipeline stages fits {spec.concurrency} sequence(s) of "
-            f"{spec.context} tokens in {hw.memory_bytes / 1e9:.0f} GB x {spec.usable_memory:.0%} per device")
+    widest = layout_for(cfg, hw, _tp_max(cfg, hw) * cfg.num_hidden_layers, spec.attention)
+    need = per_device_bytes(cfg, spec, mem, widest)["total"]
+    return (f"{spec.concurrency:,} sequence(s) of {spec.context:,} tokens need {need / 1e9:,.1f} GB per device even "
+            f"at TP{widest.tp} x PP{widest.pp} (one layer per stage), over the {budget / 1e9:,.4g} GB usable "
+            f"({100 * spec.usable_memory:.3g}% of {hw.memory_bytes / 1e9:,.0f} GB)")
 
 
 def _int(x: float) -> int:

@@ -34,18 +34,21 @@ class TrainSpec:
     usable_memory: float = 0.9
 
     def validate(self) -> None:
-        if not self.tokens > 0:
-            raise ValueError(f"training tokens must be positive, got {self.tokens!r}")
-        if not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise ValueError(f"seq_len must be a positive integer, got {self.seq_len!r}")
-        if not 0 < self.mfu <= 1 or not 0 < self.usable_memory <= 1:
-            raise ValueError(f"mfu and usable_memory must be in (0, 1], got {self.mfu!r} and {self.usable_memory!r}")
+        # `not x > 0` also rejects NaN; inf tokens would print "inf" and break --json
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, (int, float)) or not 0 < self.tokens < math.inf:
+            raise ValueError(f"training tokens must be a positive finite number, got {self.tokens!r}")
+        for name in ("seq_len", "gpus", "micro_batch_tokens"):
+            v = getattr(self, name)
+            if (v is not None or name == "seq_len") and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"training {name} must be a positive integer, got {v!r}")
+        for name in ("mfu", "usable_memory"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"training {name} must be in (0, 1], got {v!r}")
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"training precision must be 'bf16' or 'fp8', got {self.precision!r}")
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
-        if self.gpus is not None and (not isinstance(self.gpus, int) or self.gpus < 1):
-            raise ValueError(f"gpus must be a positive integer, got {self.gpus!r}")
 
 
 def optimizer_split(cfg: K3Config) -> dict[str, int]:
