@@ -141,12 +141,13 @@ class LLM:
         dtype: None keeps the checkpoint's dtypes (an in-memory model is left as it is); a torch dtype
             or "bf16" / "fp16" / "fp32" casts (fp32 islands stay fp32; an in-memory model is cast in place).
         device: where the weights go; None = "cpu" for a path, and leaves an in-memory model where it is.
-        max_num_seqs, max_model_len, prefill_chunk: the engine's (see `Engine`).
+        max_num_seqs, max_model_len, prefill_chunk, compile: the engine's (see `Engine`; `compile=True`
+            compiles the decode step at the first generation: slower start, much faster tokens).
     """
 
     def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
-                 prefill_chunk: int = 512) -> None:
+                 prefill_chunk: int = 512, compile: bool = False) -> None:
         dtype = resolve_dtype(dtype)
         self.path: Path | None = None
         if isinstance(path_or_model, torch.nn.Module):
@@ -173,7 +174,7 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             prefill_chunk=prefill_chunk)
+                             prefill_chunk=prefill_chunk, compile=compile)
 
     @property
     def config(self):

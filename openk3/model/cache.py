@@ -150,9 +150,7 @@ class SlotView:
 
     def advance(self, num_tokens: int) -> None:
         assert num_tokens == 1
-        self.owner.lengths[:self.n] += 1
-        for i in range(self.n):
-            self.owner.host_lengths[i] += 1
+        self.owner.advance(self.n)
 
 
 class SlotCache:
@@ -210,6 +208,12 @@ class SlotCache:
         assert 0 < n <= self.max_slots
         self.reserve(self.max_len(n) + 1)
         return SlotView(self, n)
+
+    def advance(self, n: int) -> None:
+        """Slots [0, n) decoded one token."""
+        self.lengths[:n] += 1
+        for i in range(n):
+            self.host_lengths[i] += 1
 
     def install(self, slot: int, cache: DenseCache, row: int = 0) -> None:
         """Copy row `row` of a prefilled `DenseCache` into `slot`."""

@@ -10,8 +10,35 @@ import torch
 import torch.nn as nn
 
 from openk3.config import K3Config
-from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight
+from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight, make_glu
 from openk3.ops import moe as moe_ops
+
+
+@torch.library.custom_op("openk3::experts_grouped", mutates_args=())
+def _experts_grouped_op(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1: torch.Tensor,
+                        w3: torch.Tensor, w2: torch.Tensor, hidden_act: str, beta: float,
+                        linear_beta: float) -> torch.Tensor:
+    """`experts_grouped` as one opaque operator: a compiled decode step calls it like a kernel
+    instead of splitting its graph at the data-dependent sort and counts inside."""
+    return moe_ops.experts_grouped(x_NC, weights_NK, idx_NK, w1, w3, w2, make_glu(hidden_act, beta, linear_beta))
+
+
+@_experts_grouped_op.register_fake
+def _(x_NC, weights_NK, idx_NK, w1, w3, w2, hidden_act, beta, linear_beta):
+    return torch.empty_like(x_NC)
+
+
+# Inside a compiled decode step every branch must have static shapes. Few picks: gather the picked
+# experts' weights. Many picks of small experts: run all experts densely (a step of N tokens costs
+# 6 N E C I FLOPs, cheaper than per-expert calls while N C I stays under this bound, measured on
+# one CPU core at nano/small shapes). Otherwise the grouped path as one opaque operator.
+DENSE_MAX_NCI = 1 << 17
+
+
+def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int) -> str:
+    if tokens * top_k <= num_experts:
+        return "gather"
+    return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped_op"
 
 
 class Router(nn.Module):
@@ -48,6 +75,7 @@ class SparseMoE(nn.Module):
         self.renormalize = cfg.moe_renormalize
         self.scaling = cfg.routed_scaling_factor
         self.glu = glu
+        self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # glu's recipe
         self.record_routing = False  # when True, forward keeps (scores_NE, idx_NK) in `last_routing` (training)
         self.gate = Router(D, cfg.num_experts)
         if cfg.use_latent_moe:
@@ -77,7 +105,8 @@ class SparseMoE(nn.Module):
         """x: normed MoE input [B, T, D] -> [B, T, D].
 
         `impl`: "grouped" (one grouped matmul per weight: training, prefill), "sparse" (only the chosen
-        experts: decode of a few tokens), "loop" (reference), or "auto" (sparse for <= 4 tokens).
+        experts: decode of a few tokens), "gather" / "dense" (static shapes, for compiled decode),
+        "loop" (reference), or "auto" (sparse for <= 4 tokens; under torch.compile `compiled_impl`).
         """
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
@@ -92,10 +121,18 @@ class SparseMoE(nn.Module):
 
             r_NC = experts_packed(z_NC, w_NK, idx_NK, self.experts, self.glu, z_NC.dtype)
         else:
-            if impl == "auto":
-                impl = "sparse" if B * T <= 4 else "grouped"
             ex = self.experts
-            if impl == "sparse":
+            if impl == "auto" and torch.compiler.is_compiling():
+                impl = compiled_impl(B * T, self.top_k, *ex.w1.shape)
+            elif impl == "auto":
+                impl = "sparse" if B * T <= 4 else "grouped"
+            if impl == "gather":
+                r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
+            elif impl == "dense":
+                r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
+            elif impl == "grouped_op":
+                r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
+            elif impl == "sparse":
                 views = self.decode_views() if not torch.is_grad_enabled() else None
                 r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu, views=views)
             else:

@@ -99,6 +99,30 @@ def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.T
     return out_NC.to(x_NC.dtype)
 
 
+def experts_gather(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
+                   w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu) -> torch.Tensor:
+    """Static-shape twin of `experts_loop` for a compiled decode step: gather each token's k experts'
+    weights ([N, K, I, C]) and contract, no data-dependent shapes or host reads. It copies N*K experts'
+    weights, so it pays only while N*K is small against the expert count (the caller decides).
+    Same arguments and result as `experts_loop`."""
+    gate_NKI = torch.einsum("nc,nkic->nki", x_NC, w1_EIC[idx_NK])
+    up_NKI = torch.einsum("nc,nkic->nki", x_NC, w3_EIC[idx_NK])
+    y_NKC = torch.einsum("nki,nkci->nkc", glu(gate_NKI, up_NKI), w2_ECI[idx_NK])
+    return (upcast(y_NKC) * weights_NK[..., None]).sum(1).to(x_NC.dtype)
+
+
+def experts_dense(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
+                  w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu) -> torch.Tensor:
+    """Static-shape twin of `experts_loop` that runs every expert on every token and combines with
+    zero weight for the experts not chosen: E/K times the FLOPs, but three large contractions instead
+    of three small matmuls per expert. Pays when experts are tiny and a step touches most of them
+    (small models, batched decode); the caller decides. Same arguments and result as `experts_loop`."""
+    h_NEI = glu(torch.einsum("nc,eic->nei", x_NC, w1_EIC), torch.einsum("nc,eic->nei", x_NC, w3_EIC))
+    y_NEC = torch.einsum("nei,eci->nec", h_NEI, w2_ECI)
+    dense_NE = weights_NK.new_zeros(x_NC.shape[0], w1_EIC.shape[0]).scatter(1, idx_NK, weights_NK)
+    return (upcast(y_NEC) * dense_NE[..., None]).sum(1).to(x_NC.dtype)
+
+
 def _grouped_mm_ok(x: torch.Tensor, w_EOC: torch.Tensor) -> bool:
     # torch's grouped_mm kernels take fp32/bf16 only and need 16-byte aligned row strides.
     if x.dtype not in (torch.float32, torch.bfloat16) or w_EOC.dtype != x.dtype:

@@ -1,0 +1,141 @@
+"""A decode step as one function of tensors, so it can be compiled (CPU: inductor C++; CUDA: graphs).
+
+Small-batch decode is bound by per-operator overhead: thousands of small kernels per token, each
+paying Python and dispatcher costs that dwarf its arithmetic. `DecodeGraph` runs the model's own
+forward (the same layers and maths as the eager engine path; tests compare the two) over a cache
+made of plain tensors: the KDA states and the first n rows of the MLA buffers of a `SlotCache`, with
+each row's position and key mask computed from its `lengths` entry on the device, never from host
+integers. Nothing in the traced step depends on data, so `torch.compile(dynamic=True)` captures it
+once for every batch size and context length (CPU: ~25-40 s the first time, then cached by inductor).
+Inside the compiled step the MoE picks its static-shape "gather" form while a batch picks fewer
+experts than the layer has, and fused-weight caches step aside (the compiler removes the overhead
+they exist for). On CUDA, `mode="reduce-overhead"` adds CUDA graphs.
+
+Used by `Engine(..., compile=True)` (`openk3 generate/chat --compile`).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from openk3.model.cache import KDAState, SlotCache
+
+
+def _no_duck_shapes(fn):
+    """Trace with duck sizing off: when the batch happens to equal the slot count, duck sizing would tie
+    the two sizes together and recompile as soon as a request leaves."""
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return fn(*args)
+
+    return call
+
+
+def _mark_dynamic(args) -> None:
+    """The batch changes as requests come and go, the MLA capacity doubles: one graph for all."""
+    for group in args:
+        for t in group if isinstance(group, list) else [group]:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    for t in [*args[2], *args[3]]:
+        torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+class _GraphMLA:
+    """MLA state of rows [0, n) over a fixed key window: writes each row's new latent at its own
+    length and masks the keys past it (the `SlotMLAView` protocol, without host-side lengths)."""
+
+    def __init__(self, ckv_nSC: torch.Tensor, kpe_nSR: torch.Tensor, pos_n: torch.Tensor):
+        self.ckv, self.kpe, self.pos = ckv_nSC, kpe_nSR, pos_n
+
+    def extend(self, ckv_nTC: torch.Tensor, kpe_nTR: torch.Tensor):
+        rows = torch.arange(ckv_nTC.shape[0], device=ckv_nTC.device)
+        self.ckv[rows, self.pos] = ckv_nTC[:, 0]
+        self.kpe[rows, self.pos] = kpe_nTR[:, 0]
+        key_pos_S = torch.arange(self.ckv.shape[1], device=self.ckv.device)
+        mask_n1S = (key_pos_S[None, :] <= self.pos[:, None])[:, None]
+        return self.ckv, self.kpe, mask_n1S
+
+
+class _GraphCache:
+    """What the model sees as `cache` inside the traced step; lengths advance outside it."""
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+
+    def advance(self, num_tokens: int) -> None:
+        pass
+
+
+class DecodeGraph:
+    """`graph(ids_n1, slots, n)` -> logits [n, V] of one decode token for slots [0, n), updating the
+    slots' states and lengths like `model(ids, cache=slots.view(n))` followed by the view's advance.
+
+    `compile=False` runs the same function eagerly (the twin the tests compare with). The step is
+    compiled as one graph (`fullgraph=True`), so a failure to compile (no C++ compiler, an operation
+    the compiler cannot trace) happens before anything runs; it is reported once as a warning and
+    decoding continues eagerly: generation never stops over a missing optimisation.
+    """
+
+    @classmethod
+    def of(cls, model, **kwargs) -> DecodeGraph:
+        """The model's compiled step, made once and kept on the model: engines over the same model share
+        it (and its compilation)."""
+        graph = model.__dict__.get("_decode_graph")
+        if graph is None:
+            graph = model.__dict__["_decode_graph"] = cls(model, **kwargs)
+        return graph
+
+    def __init__(self, model, *, compile: bool = True, mode: str | None = None) -> None:
+        self.model = model
+        self.compiled = compile
+        # Guards on the model's modules and parameters cost ~0.5 ms per call at small shapes; an engine
+        # keeps its model, so only the step's own tensor inputs are checked (shape, dtype, strides).
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._fn = (_no_duck_shapes(torch.compile(self._step, dynamic=True, fullgraph=True, mode=mode,
+                                                  options=options)) if compile else self._step)
+        self._tried = False
+
+    def _step(self, ids_n1: torch.Tensor, convs: list[torch.Tensor], recs: list[torch.Tensor],
+              ckvs: list[torch.Tensor], kpes: list[torch.Tensor], pos_n: torch.Tensor) -> torch.Tensor:
+        layers, k, m = [], 0, 0
+        for layer in self.model.model.layers:
+            if layer.is_mla:
+                layers.append(_GraphMLA(ckvs[m], kpes[m], pos_n))
+                m += 1
+            else:
+                layers.append(KDAState(convs[k], recs[k]))
+                k += 1
+        return self.model(ids_n1, cache=_GraphCache(layers), mla_impl="absorbed")[:, -1]
+
+    def __call__(self, ids_n1: torch.Tensor, slots: SlotCache, n: int) -> torch.Tensor:
+        assert ids_n1.shape[0] == n
+        slots.reserve(slots.max_len(n) + 1)
+        # Rows [0, n) of the slot buffers, every key position up to the capacity (masked per row; the
+        # capacity doubles, so at most twice the longest row). `detach()` makes each slice an alias
+        # rather than a view: the compiler guards on a view's base, and would recompile whenever n
+        # reached the slot count.
+        args = ([s.conv[:n].detach() for s in slots.kda if s is not None],
+                [s.recurrent[:n].detach() for s in slots.kda if s is not None],
+                [t[:n].detach() for t in slots.ckv if t is not None],
+                [t[:n].detach() for t in slots.kpe if t is not None], slots.lengths[:n].detach())
+        if self.compiled:
+            _mark_dynamic(args)
+            torch._dynamo.maybe_mark_dynamic(ids_n1, 0)
+        if self.compiled and not self._tried:
+            self._tried = True
+            try:  # fullgraph: everything is traced and compiled before any of it runs
+                logits = self._fn(ids_n1, *args)
+            except Exception as e:  # compile-time failure: nothing ran, decode this step eagerly
+                warnings.warn(f"openk3: compiling the decode step failed ({type(e).__name__}: {e}); "
+                              "decoding eagerly", RuntimeWarning, stacklevel=2)
+                self._fn, self.compiled = self._step, False
+                logits = self._fn(ids_n1, *args)
+            slots.advance(n)
+            return logits
+        logits = self._fn(ids_n1, *args)
+        slots.advance(n)
+        return logits
