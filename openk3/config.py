@@ -19,6 +19,8 @@ import difflib
 import json
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +158,13 @@ class K3Config:
     def validate(self) -> None:
         """Raise ValueError naming the field for any inconsistent value."""
         la = self.linear_attn_config
+        for obj, prefix in ((self, ""), (la, "linear_attn_config.")):
+            for f in dataclasses.fields(obj):
+                if f.name not in ("extra", "linear_attn_config"):
+                    problem = type_problem(type(obj), f.name, getattr(obj, f.name))
+                    if problem:
+                        raise ValueError(f"config field '{prefix}{f.name}' must be {problem}, "
+                                         f"got {getattr(obj, f.name)!r}")
         L = self.num_hidden_layers
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                      "qk_nope_head_dim", "v_head_dim", "intermediate_size", "num_experts",
@@ -322,6 +331,37 @@ class K3Config:
         return K3Config(**d)
 
 
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def type_problem(cls: type, name: str, value: Any) -> str | None:
+    """None if `value` fits the annotation of field `name` of dataclass `cls` (K3Config or
+    LinearAttnConfig), else what it should be, e.g. "an integer or null". JSON booleans are not numbers."""
+    hint = typing.get_type_hints(cls)[name]
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if any(_fits(k, value) for k in kinds):
+        return None
+    return " or ".join(_describe(k) for k in kinds)
+
+
+def _fits(kind, value) -> bool:
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_fits(typing.get_args(kind)[0], v) for v in value)
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else kind) if kind in _TYPE_NAMES else True
+
+
+def _describe(kind) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is list:
+        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(kind)[0], "values")
+    return _TYPE_NAMES.get(kind, getattr(kind, "__name__", str(kind)))
+
+
 _OPENK3_ONLY = frozenset({"mla_latent_norm_eps"})
 # Fields transformers' KimiLinearConfig derives from the release fields and writes back on save.
 _TRANSFORMERS_DERIVED = frozenset({"layer_types", "mlp_layer_types", "linear_conv_kernel_dim", "linear_head_dim",
@@ -342,7 +382,10 @@ def _build(cls: type, d: Any, source: str) -> Any:
                and f.default_factory is dataclasses.MISSING and n not in d]
     if missing:
         raise ValueError(f"{source}: missing required field(s) {missing}")
-    return cls(**d)
+    try:
+        return cls(**d)
+    except ValueError as e:  # validate() names the field; say which file it came from
+        raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
 
 
 # ---- presets -------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -294,3 +295,22 @@ def test_transformers_derived_fields_are_checked_then_dropped():
         K3Config.from_dict(bad)
     with pytest.raises(ValueError, match="linear_head_dim"):
         K3Config.from_dict({**d, "linear_head_dim": 64})
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("moe_layer_freq", "x", "an integer"),
+    ("rms_norm_eps", "a", "a number"),
+    ("hidden_act", 3, "a string"),
+    ("eos_token_id", [1, "a"], "an integer or a list of integers or null"),
+    ("tie_word_embeddings", 0, "true or false"),
+    ("num_experts", True, "an integer"),
+])
+def test_wrong_types_are_value_errors_naming_file_and_field(tmp_path, field, value, expected):
+    """A string where a number belongs (and the like) is a one-line ValueError naming the file, the
+    field and the value, never a TypeError from a comparison deep in validate()."""
+    d = preset("nano").to_dict()
+    d[field] = value
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"{path}: config field '{field}' must be {re.escape(expected)}"):
+        K3Config.from_json(path)

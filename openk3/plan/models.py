@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
 
-from openk3.config import PRESETS, K3Config, LinearAttnConfig, preset
+from openk3.config import PRESETS, K3Config, LinearAttnConfig, preset, type_problem
 from openk3.fsutil import read_json
 
 # Figures the vendors publish, printed next to ours (docs/planner.md explains the differences).
@@ -125,51 +123,23 @@ _LEAST = {"q_lora_rank": 0, "num_shared_experts": 0, "max_position_embeddings": 
 
 
 def check_types(d: dict, source: str) -> None:
-    """Type-check a text_config dict against K3Config's annotations before openk3.config sees it (its
-    validate() compares values and would raise TypeError on a string or a list where a number belongs)."""
+    """Type-check a text_config dict (`openk3.config.type_problem`) and bound its sizes before a
+    K3Config is built from it: the planner loops over layers and multiplies sizes."""
     sub = d.get("linear_attn_config")
     if "linear_attn_config" in d and not isinstance(sub, dict):
         raise ValueError(f"{source}: config field 'linear_attn_config' must be an object, got {sub!r}")
     for cls, fields, prefix in ((K3Config, d, ""), (LinearAttnConfig, sub or {}, "linear_attn_config.")):
-        hints = typing.get_type_hints(cls)
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "linear_attn_config"}
         for name, value in fields.items():
-            if name not in hints or name in ("extra", "linear_attn_config"):
+            if name not in names:
                 continue
-            problem = _type_problem(hints[name], value)
+            problem = type_problem(cls, name, value)
+            is_int = isinstance(value, int) and not isinstance(value, bool)
             if problem is None and name == "num_hidden_layers" and value > _MAX_LAYERS:
                 problem = f"at most {_MAX_LAYERS:,}"
-            elif problem is None and _is(int, value) and value > _MAX_SIZE:
+            elif problem is None and is_int and value > _MAX_SIZE:
                 problem = f"at most {_MAX_SIZE:,}"
-            elif problem is None and _is(int, value) and value < _LEAST.get(prefix + name, value):
+            elif problem is None and is_int and value < _LEAST.get(prefix + name, value):
                 problem = f">= {_LEAST[prefix + name]}"
             if problem:
                 raise ValueError(f"{source}: config field '{prefix}{name}' must be {problem}, got {value!r}")
-
-
-_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-def _type_problem(hint, value) -> str | None:
-    """None if `value` fits annotation `hint`, else what it should be (only the kinds K3Config uses)."""
-    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if any(_is(k, value) for k in kinds):
-        return None
-    return " or ".join(_describe(k) for k in kinds)
-
-
-def _is(kind, value) -> bool:
-    if kind is type(None):
-        return value is None
-    if typing.get_origin(kind) is list:
-        return isinstance(value, list) and all(_is(typing.get_args(kind)[0], v) for v in value)
-    if kind in (int, float) and isinstance(value, bool):  # JSON true is not a size
-        return False
-    return isinstance(value, (int, float) if kind is float else kind) if kind in _NAMES else True
-
-
-def _describe(kind) -> str:
-    if kind is type(None):
-        return "null"
-    if typing.get_origin(kind) is list:
-        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(kind)[0], "values")
-    return _NAMES.get(kind, getattr(kind, "__name__", str(kind)))
