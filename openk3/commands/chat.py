@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 
-from openk3.commands.generate import add_model_arguments, add_sampling_arguments
+from openk3.commands.generate import add_checkpoint_arguments, add_sampling_arguments
 
 HELP = """commands:
   /tool ID RESULT   answer tool call ID (ID optional when one call is pending)
@@ -41,7 +41,7 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "input: one user message a line on stdin (a terminal or a pipe); answers stream to stdout.\n" + HELP
-    add_model_arguments(p)
+    add_checkpoint_arguments(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message at the start of the conversation")
     p.add_argument("--effort", default="max", choices=["low", "high", "max", "none"],
                    help="thinking effort (default max, as K3's template); none = thinking off")

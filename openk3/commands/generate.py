@@ -17,7 +17,7 @@ import json
 import sys
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """--model, --tokenizer, --dtype, --device, --max-model-len, --threads, --compile (shared with `openk3 chat`)."""
     p.add_argument("--model", "-m", required=True, metavar="DIR",
                    help="checkpoint folder, or a training run folder (its checkpoints/latest is used)")
@@ -80,7 +80,7 @@ def build_llm(args: argparse.Namespace):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_model_arguments(p)
+    add_checkpoint_arguments(p)
     src = p.add_argument_group("prompts")
     src.add_argument("--prompt", "-p", action="append", default=[], metavar="TEXT",
                      help="a prompt (repeat for a batch)")
