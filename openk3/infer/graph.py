@@ -3,13 +3,15 @@
 Small-batch decode is bound by per-operator overhead: thousands of small kernels per token, each
 paying Python and dispatcher costs that dwarf its arithmetic. `DecodeGraph` runs the model's own
 forward (the same layers and maths as the eager engine path; tests compare the two) over a cache
-made of plain tensors: the KDA states and the first n rows of the MLA buffers of a `SlotCache`, with
-each row's position and key mask computed from its `lengths` entry on the device, never from host
-integers. Nothing in the traced step depends on data, so `torch.compile(dynamic=True)` captures it
-once for every batch size and context length (CPU: ~25-40 s the first time, then cached by inductor).
-Inside the compiled step the MoE picks its static-shape "gather" form while a batch picks fewer
-experts than the layer has, and fused-weight caches step aside (the compiler removes the overhead
-they exist for). On CUDA, `mode="reduce-overhead"` adds CUDA graphs.
+made of plain tensors: the KDA states and the MLA buffers (up to their capacity) of rows [0, n) of a
+`SlotCache`, with each row's write position and key mask computed from its `lengths` entry on the
+device, never from host integers. Nothing in the traced step depends on data, so
+`torch.compile(dynamic=True, fullgraph=True)` captures one graph for every batch size >= 2 and every
+context length, plus one for a batch of one (about 25-60 s each on one CPU core; inductor caches them
+on disk). Inside the compiled step the MoE takes a static-shape form (`moe.compiled_impl`: gathered
+experts, all experts densely, or the grouped path as one opaque operator), and fused-weight caches
+step aside (the compiler removes the overhead they exist for). On CUDA, `mode="reduce-overhead"`
+adds CUDA graphs (untested here).
 
 Used by `Engine(..., compile=True)` (`openk3 generate/chat --compile`).
 """
