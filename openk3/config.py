@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -334,10 +335,15 @@ class K3Config:
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # resolving the string annotations is slow: once per class
+
+
 def type_problem(cls: type, name: str, value: Any) -> str | None:
     """None if `value` fits the annotation of field `name` of dataclass `cls` (K3Config or
     LinearAttnConfig), else what it should be, e.g. "an integer or null". JSON booleans are not numbers."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = _type_hints(cls)[name]
     kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if any(_fits(k, value) for k in kinds):
         return None

@@ -27,8 +27,20 @@ class TensorGroup:
     fp32: bool = False  # stored F32 in the release (spec §2), whatever the weight format
 
 
-def tensors(cfg: K3Config) -> list[TensorGroup]:
+_TENSORS: dict[str, tuple[TensorGroup, ...]] = {}  # by repr(cfg): one plan asks about one config many times
+
+
+def tensors(cfg: K3Config) -> tuple[TensorGroup, ...]:
     """Every parameter (and the persistent router bias) of the text model, grouped per layer."""
+    key = repr(cfg)
+    if key not in _TENSORS:
+        if len(_TENSORS) >= 64:
+            _TENSORS.clear()
+        _TENSORS[key] = tuple(_build_tensors(cfg))
+    return _TENSORS[key]
+
+
+def _build_tensors(cfg: K3Config) -> list[TensorGroup]:
     D, V = cfg.hidden_size, cfg.vocab_size
     out = [TensorGroup("embed_tokens", "embedding", V * D), TensorGroup("lm_head", "lm_head", V * D),
            TensorGroup("norm", "norms_and_attn_res", D, vector=True)]
