@@ -418,3 +418,13 @@ def test_docs_worked_example_roofline_and_audit_are_current():
     assert f"| {1e3 * ttft:.0f} ms |" in doc
     for it in audit.audit():
         assert f"| {it['claim']} | {it['claimed']} | {it['corrected']} |" in doc, it["claim"]
+
+
+def test_format_overrides_leave_the_release_table_alone(capsys):
+    """`--expert-format` overrides a copy of the release's formats: a later plan in the same process
+    still prices the release (the table was once handed out and mutated)."""
+    from openk3.__main__ import main
+
+    assert main(["plan", "--expert-format", "int4", "--trunk-format", "fp8", "--json"]) == 0
+    capsys.readouterr()
+    assert plan("k3")["formats"]["experts"] == "mxfp4" and models.release_formats("k3")["trunk_format"] == "bf16"

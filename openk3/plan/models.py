@@ -34,7 +34,8 @@ RELEASE_FORMATS = {
 
 
 def release_formats(name: str) -> dict:
-    return RELEASE_FORMATS.get(name, RELEASE_FORMATS["k3"])
+    """A copy: callers override entries (`--expert-format`) and must not change the table."""
+    return dict(RELEASE_FORMATS.get(name, RELEASE_FORMATS["k3"]))
 
 
 def k2() -> K3Config:
