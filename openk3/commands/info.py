@@ -21,13 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _human(n: float) -> str:
-    for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return str(n)
-
-
 def file_summary(folder: str) -> dict:
     """Tensors and bytes by dtype from the safetensors headers of a checkpoint folder."""
     from safetensors import safe_open
@@ -75,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
 
     from openk3.model.accounting import summary
     from openk3.model.model import K3ForCausalLM
+    from openk3.plan.report import human_count
 
     files = None
     if args.path is not None:
@@ -99,14 +93,14 @@ def main(args: argparse.Namespace) -> int:
     rows = [
         ("config", name),
         ("layers", f"{cfg.num_hidden_layers} ({info['num_kda_layers']} KDA + {info['num_mla_layers']} MLA)"),
-        ("total parameters", f"{info['total_params']:,} ({_human(info['total_params'])})"),
-        ("active parameters / token", f"{info['active_params']:,} ({_human(info['active_params'])}, "
+        ("total parameters", f"{info['total_params']:,} ({human_count(info['total_params'])})"),
+        ("active parameters / token", f"{info['active_params']:,} ({human_count(info['active_params'])}, "
                                       "excluding the embedding lookup)"),
         ("active incl. embedding", f"{info['active_params_with_embedding']:,}"),
         ("routed experts (all)", f"{p['routed_experts']:,}"),
         ("embedding / lm_head", f"{p['embedding']:,} / {p['lm_head']:,}"),
-        (f"FLOPs/token fwd @ {args.seq_len}", _human(info["flops_per_token"]["forward"])),
-        (f"FLOPs/token train @ {args.seq_len}", _human(info["flops_per_token"]["training"])),
+        (f"FLOPs/token fwd @ {args.seq_len}", human_count(info["flops_per_token"]["forward"])),
+        (f"FLOPs/token train @ {args.seq_len}", human_count(info["flops_per_token"]["training"])),
         ("KDA state / sequence (fp32)", f"{info['kda_state_bytes_per_sequence'] / mib:,.1f} MiB "
                                         f"(+ {info['kda_conv_bytes_per_sequence'] / mib:,.1f} MiB conv windows)"),
         ("MLA cache / token (bf16)", f"{info['mla_cache_bytes_per_token']:,} bytes"),

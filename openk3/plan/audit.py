@@ -29,6 +29,7 @@ def audit() -> list[dict]:
     """The list `openk3 plan --audit --json` prints: {claim, claimed, corrected, reason, ...}."""
     k3, k2 = models.plan_preset("k3"), models.plan_preset("k2")
     p3, p2 = counts.params(k3), counts.params(k2)
+    moe3, moe2 = counts.num_moe_layers(k3), counts.num_moe_layers(k2)
     h100, b300 = hardware.get("h100"), hardware.get("b300")
     release = serve.ServeSpec(context=131072, concurrency=1)
     mem = serve.memory(k3, release, p3)
@@ -39,7 +40,7 @@ def audit() -> list[dict]:
         "1.04 trillion parameters activated per token", "1.04T active", 1.04e12,
         f"{_b(p3.active)} active", p3.active, "parameters",
         f"K3 activates the {_b(p3.non_routed - p3.embedding)} trunk plus {k3.num_experts_per_token} of "
-        f"{k3.num_experts} routed experts in each of its {_moe_layers(k3)} MoE layers: {_b(p3.active)} per token "
+        f"{k3.num_experts} routed experts in each of its {moe3} MoE layers: {_b(p3.active)} per token "
         f"excluding the embedding lookup ({_b(p3.active_with_embedding)} with it). 1.04T is ten times that, and "
         f"is also Kimi K2's total parameter count; K3's total is {p3.total / 1e12:.2f}T."))
 
@@ -108,7 +109,7 @@ def audit() -> list[dict]:
         f"{fl['total'] / 1e12:.3f} TFLOP at 4K context, ten times less than claimed (the claim starts from 1.04T "
         f"active); and 475 = 989 TFLOP/s / 2.08 TFLOP is one GPU's peak, not eight. 8 H100 cannot hold the model. "
         f"On the {n_rel} that can, decode at batch 1 is memory-bound: each token reads "
-        f"{_gb(perf['decode_bytes_per_step'])} (trunk + {k3.num_experts_per_token} experts x {_moe_layers(k3)} layers "
+        f"{_gb(perf['decode_bytes_per_step'])} (trunk + {k3.num_experts_per_token} experts x {moe3} layers "
         f"+ caches), an ideal {perf['decode_tokens_per_s']:.0f} tok/s; the compute ceiling at large batch is "
         f"~{ceiling:,.0f} tok/s."))
 
@@ -133,12 +134,9 @@ def audit() -> list[dict]:
         f"16 x 3 x {k3.expert_in_dim} x {k3.moe_intermediate_size} = {_b(r3)} per layer vs K2's 8 x 3 x "
         f"{k2.hidden_size} x {k2.moe_intermediate_size} = {_b(r2)}. Over all layers routed active is "
         f"{_b(p3.routed_active)} vs {_b(p2.routed_active)} ({p3.routed_active / p2.routed_active:.2f}x, "
-        f"{_moe_layers(k3)} MoE layers vs {_moe_layers(k2)}); the whole-model {p3.active / p2.active:.2f}x "
+        f"{moe3} MoE layers vs {moe2}); the whole-model {p3.active / p2.active:.2f}x "
         f"({_b(p3.active)} vs {_b(p2.active)}) comes mostly from the trunk ({_b(p3.active - p3.routed_active)} vs "
         f"{_b(p2.active - p2.routed_active)}: 93 layers, full-rank KDA gates, a {k3.intermediate_size}-wide dense "
         f"layer, {k3.num_shared_experts} shared experts), not from top-16."))
     return out
 
-
-def _moe_layers(cfg) -> int:
-    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))

@@ -9,6 +9,7 @@ planner cannot drift from the code that trains and loads checkpoints.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from openk3.config import K3Config
@@ -111,6 +112,15 @@ def _moe(cfg: K3Config, p: str) -> list[TensorGroup]:
     return out
 
 
+def num_moe_layers(cfg: K3Config) -> int:
+    return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+
+
+def num_attn_res_blocks(cfg: K3Config) -> int:
+    """Block representations AttnRes keeps (0 without AttnRes)."""
+    return math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) if cfg.use_attn_res else 0
+
+
 @dataclass(frozen=True)
 class Params:
     """Parameter counts; field meanings as in `openk3.model.accounting.ParamCounts` (plus components)."""
@@ -143,8 +153,8 @@ def params(cfg: K3Config) -> Params:
         by[t.component] += t.numel
     total = sum(by.values())
     routed = by["routed_experts"]
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    routed_active = moe_layers * (3 * cfg.expert_in_dim * cfg.moe_intermediate_size) * cfg.num_experts_per_token
+    expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
+    routed_active = num_moe_layers(cfg) * expert * cfg.num_experts_per_token
     active_emb = total - routed + routed_active
     vectors = sum(t.numel for t in ts if t.vector)
     return Params(total=total, embedding=by["embedding"], lm_head=by["lm_head"], routed_experts=routed,

@@ -95,8 +95,7 @@ def activation_bytes(cfg: K3Config, chunk: int) -> float:
     representations + partial sum + a few hidden-size buffers, one token-mixer's projections, and
     the routed experts' inputs and intermediates of the k chosen experts."""
     la = cfg.linear_attn_config
-    blocks = math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) if cfg.use_attn_res else 0
-    hidden = cfg.hidden_size * (blocks + 4)
+    hidden = cfg.hidden_size * (counts.num_attn_res_blocks(cfg) + 4)
     mixer = max(6 * la.num_heads * la.head_dim, cfg.num_attention_heads * (cfg.qk_head_dim + 2 * cfg.v_head_dim))
     experts = cfg.num_experts_per_token * (cfg.expert_in_dim + 2 * cfg.moe_intermediate_size)
     return 2.0 * chunk * (hidden + mixer + experts)
@@ -195,7 +194,7 @@ def comm_seconds(cfg: K3Config, hw: Hardware, lay: Layout, tokens: int) -> float
     if lay.attention == "tp":
         layers = cfg.num_hidden_layers / lay.pp
         return tokens * layers * 2 * (2 * cfg.hidden_size) * 2 * (lay.tp - 1) / lay.tp / bw
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)) / lay.pp
+    moe_layers = counts.num_moe_layers(cfg) / lay.pp
     local_tokens = math.ceil(tokens / per_stage)
     moved = 2 * cfg.num_experts_per_token * cfg.expert_in_dim * 2 * (per_stage - 1) / per_stage
     return local_tokens * moe_layers * moved / bw
@@ -206,7 +205,7 @@ def roofline(cfg: K3Config, hw: Hardware, spec: ServeSpec, mem: dict, lay: Layou
     """Decode and prefill tokens/s from bytes and FLOPs per device (ideal when mbu = mfu = 1)."""
     p = p or counts.params(cfg)
     B, n, tp, pp = spec.concurrency, lay.devices, lay.tp, lay.pp
-    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    moe_layers = counts.num_moe_layers(cfg)
     bw = hw.memory_bandwidth * spec.mbu
     e_fmt, t_fmt = weight_format(spec.expert_format), weight_format(spec.trunk_format)
     peak_routed = hw.flops_for(e_fmt.compute)[0] * spec.mfu

@@ -86,8 +86,7 @@ def largest_layer_bytes(cfg: K3Config) -> int:
 
 def checkpoint_bytes_per_token(cfg: K3Config) -> float:
     """Kept per token with full checkpointing: each layer's input (bf16) + the AttnRes block reps."""
-    blocks = math.ceil(cfg.num_hidden_layers / cfg.attn_res_block_size) if cfg.use_attn_res else 0
-    return 2.0 * cfg.hidden_size * (cfg.num_hidden_layers + blocks)
+    return 2.0 * cfg.hidden_size * (cfg.num_hidden_layers + counts.num_attn_res_blocks(cfg))
 
 
 def per_gpu_bytes(cfg: K3Config, spec: TrainSpec, gpus: int) -> dict[str, float]:
