@@ -12,6 +12,7 @@ import torch.nn as nn
 from openk3.config import K3Config
 from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight, make_glu
 from openk3.ops import moe as moe_ops
+from openk3.ops import moe_cpu
 
 
 @torch.library.custom_op("openk3::experts_grouped", mutates_args=())
@@ -29,16 +30,27 @@ def _(x_NC, weights_NK, idx_NK, w1, w3, w2, hidden_act, beta, linear_beta):
 
 
 # Inside a compiled decode step every branch must have static shapes. Few picks: gather the picked
-# experts' weights. Many picks of small experts: run all experts densely (a step of N tokens costs
+# experts' weights. More: the fused CPU kernel (`ops/moe_cpu.py`) as one opaque call per layer when
+# it is available; else, for many picks of small experts, run all experts densely (a step of N tokens costs
 # 6 N E C I FLOPs, cheaper than per-expert calls while N C I stays under this bound, measured on
 # one CPU core at nano/small shapes). Otherwise the grouped path as one opaque operator.
 DENSE_MAX_NCI = 1 << 17
+# Eager, without autograd: the fused kernel up to this many tokens (decode batches, small prefill chunks);
+# above it the grouped matmuls win (measured on one CPU core: crossover ~256 tokens at nano and small).
+FUSED_MAX_TOKENS = 128
 
 
-def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int) -> str:
+def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False) -> str:
     if tokens * top_k <= num_experts:
-        return "gather"
+        return "gather"  # inside the graph: no operator call at all (~20 us for the fused kernel's)
+    if fused:
+        return "fused_op"
     return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped_op"
+
+
+@torch.compiler.assume_constant_result
+def _fused_available() -> bool:
+    return moe_cpu.available()
 
 
 class Router(nn.Module):
@@ -104,9 +116,11 @@ class SparseMoE(nn.Module):
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         """x: normed MoE input [B, T, D] -> [B, T, D].
 
-        `impl`: "grouped" (one grouped matmul per weight: training, prefill), "sparse" (only the chosen
-        experts: decode of a few tokens), "gather" / "dense" (static shapes, for compiled decode),
-        "loop" (reference), or "auto" (sparse for <= 4 tokens; under torch.compile `compiled_impl`).
+        `impl`: "grouped" (one grouped matmul per weight: training, prefill), "fused" (the CPU kernel of
+        `ops/moe_cpu.py`: decode, no autograd), "sparse" (only the chosen experts, torch operators: decode
+        of a few tokens), "gather" / "dense" (static shapes, for compiled decode), "loop" (reference), or
+        "auto" (without autograd on CPU: fused up to FUSED_MAX_TOKENS tokens when the kernel is available;
+        else sparse for <= 4 tokens, grouped above; under torch.compile `compiled_impl`).
         """
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
@@ -122,11 +136,19 @@ class SparseMoE(nn.Module):
             r_NC = experts_packed(z_NC, w_NK, idx_NK, self.experts, self.glu, z_NC.dtype)
         else:
             ex = self.experts
-            if impl == "auto" and torch.compiler.is_compiling():
-                impl = compiled_impl(B * T, self.top_k, *ex.w1.shape)
-            elif impl == "auto":
-                impl = "sparse" if B * T <= 4 else "grouped"
-            if impl == "gather":
+            if impl == "auto":
+                fused = moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
+                if torch.compiler.is_compiling():
+                    impl = compiled_impl(B * T, self.top_k, *ex.w1.shape, fused=fused)
+                elif fused and B * T <= FUSED_MAX_TOKENS:
+                    impl = "fused"
+                else:
+                    impl = "sparse" if B * T <= 4 else "grouped"
+            if impl == "fused":
+                r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
+            elif impl == "fused_op":
+                r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
+            elif impl == "gather":
                 r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
             elif impl == "dense":
                 r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)

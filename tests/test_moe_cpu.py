@@ -1,0 +1,171 @@
+"""The fused CPU MoE kernel (`ops/moe_cpu.py`) equals the per-expert loop, builds and caches safely,
+and steps aside (to the torch paths) when it cannot be built; the compiled step's KDA form equals
+the matmul form."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import assert_close
+from test_ops_moe import CASES, GLUS, _inputs
+
+from openk3.config import preset
+from openk3.model.model import K3ForCausalLM
+from openk3.ops import moe_cpu
+from openk3.ops.kda import kda_step, kda_step_fused_
+from openk3.ops.moe import experts_loop
+
+F64 = torch.float64
+ACTS = {"situ": ("situ", 4.0, 25.0), "swiglu": ("silu", 4.0, 25.0)}  # GLUS names -> the kernel's recipe
+
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """A kernel built from scratch into an empty cache directory (and the process cache restored after)."""
+    monkeypatch.setenv("OPENK3_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("OPENK3_NO_KERNELS", raising=False)
+    moe_cpu._lib.cache_clear()
+    yield tmp_path
+    moe_cpu._lib.cache_clear()
+
+
+@needs_cc
+def test_kernel_is_available_with_a_compiler():
+    assert moe_cpu.available()
+
+
+@needs_cc
+@pytest.mark.parametrize("glu_name", list(GLUS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_equals_loop_float64(case, glu_name):
+    """Odd widths, one token, unbalanced routing, an expert taking every token: blocks of 1-4 tokens."""
+    (x, weights, w1, w3, w2), idx = _inputs(case, F64)
+    args = [t.detach() for t in (x, weights)] + [idx] + [t.detach() for t in (w1, w3, w2)]
+    ref = experts_loop(*args, GLUS[glu_name])
+    got = moe_cpu.experts_fused(*args, *ACTS[glu_name])
+    assert got.dtype == F64 and got.shape == ref.shape
+    assert_close(f"{case} {glu_name}", ref, got, 1e-12)
+
+
+@needs_cc
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_float32_is_accurate(case):
+    (x, weights, w1, w3, w2), idx = _inputs(case, F64, widths=(37, 19))
+    args = [t.detach() for t in (x, weights)] + [idx] + [t.detach() for t in (w1, w3, w2)]
+    exact = experts_loop(*args, GLUS["situ"])
+    got = moe_cpu.experts_fused(*[t.float() for t in args[:2]], idx, *[t.float() for t in args[3:]], *ACTS["situ"])
+    assert got.dtype == torch.float32
+    assert_close(f"{case} fp32 vs fp64", exact, got.double(), 2e-6)
+
+
+@needs_cc
+def test_fused_operator_schema_and_fake():
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", torch.float32, widths=(8, 12))
+    args = [t.detach() for t in (x, weights)] + [idx] + [t.detach() for t in (w1, w3, w2)]
+    assert torch.equal(moe_cpu.experts_fused_op(*args, *ACTS["situ"]), moe_cpu.experts_fused(*args, *ACTS["situ"]))
+    torch.library.opcheck(moe_cpu.experts_fused_op, (*args, *ACTS["situ"]),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_cc
+def test_bad_expert_id_is_a_value_error():
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", F64)
+    idx = idx.clone()
+    idx[3, 1] = w1.shape[0]
+    with pytest.raises(ValueError, match="out of range"):
+        moe_cpu.experts_fused(x.detach(), weights.detach(), idx, w1.detach(), w3.detach(), w2.detach(), "silu", 4, 25)
+
+
+def test_supports_names_what_the_kernel_takes():
+    x, w = torch.zeros(2, 4), torch.zeros(3, 5, 4)
+    with torch.no_grad():
+        assert moe_cpu.supports(x, w, "silu") and moe_cpu.supports(x.double(), w.double(), "situ")
+        assert not moe_cpu.supports(x.bfloat16(), w.bfloat16(), "silu")  # bf16: the torch paths
+        assert not moe_cpu.supports(x, w.double(), "silu")
+        assert not moe_cpu.supports(x, w, "gelu")
+    assert not moe_cpu.supports(x, w, "silu")  # autograd on: the kernel has no backward
+
+
+@needs_cc
+def test_build_is_cached_and_atomic(fresh_kernel):
+    assert moe_cpu.available()
+    built = sorted(os.listdir(fresh_kernel))
+    assert len(built) == 1 and built[0].startswith("moe_") and built[0].endswith(".so"), built  # no temp files
+    stamp = os.stat(fresh_kernel / built[0]).st_mtime_ns
+    moe_cpu._lib.cache_clear()
+    assert moe_cpu.available()
+    assert sorted(os.listdir(fresh_kernel)) == built and os.stat(fresh_kernel / built[0]).st_mtime_ns == stamp
+
+
+def test_missing_compiler_warns_once_and_falls_back(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(RuntimeWarning, match="fused CPU MoE kernel is unavailable"):
+        assert not moe_cpu.available()
+    assert not moe_cpu.available()  # decided once per process
+    assert os.listdir(fresh_kernel) == []
+
+
+def _decode_logits(model, ids_BT, next_BS, **kw):
+    """Logits of the prompt's last position and of each decode step fed `next_BS` one column at a time."""
+    cache = model.new_cache()
+    out = [model(ids_BT, cache=cache, **kw)[:, -1]]
+    out += [model(next_BS[:, s:s + 1], cache=cache, **kw)[:, -1] for s in range(next_BS.shape[1])]
+    return torch.stack(out)
+
+
+@needs_cc
+@pytest.mark.parametrize("name", ["nano", "nano-kl"])
+def test_model_decode_takes_the_kernel_and_matches_the_loop(name, monkeypatch):
+    """Without autograd, `moe_impl="auto"` sends decode (and short prompts) through the kernel; the
+    logits equal the reference loop's (float64, K3 form with latent MoE + SiTU, and Kimi-Linear form)."""
+    import openk3.ops.moe_cpu as mod
+
+    model = K3ForCausalLM.build(preset(name), seed=0).to(F64).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = mod.experts_fused
+    monkeypatch.setattr(mod, "experts_fused", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    nxt = torch.randint(0, model.config.vocab_size, (3, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = _decode_logits(model, ids, nxt)
+        monkeypatch.setattr(mod, "experts_fused", real)
+        ref = _decode_logits(model, ids, nxt, moe_impl="loop")
+    assert calls and 21 in calls and 3 in calls, calls  # the prompt (3 x 7 tokens) and the decode steps
+    assert_close("logits", ref, got, 1e-10)
+
+
+def test_without_the_kernel_decode_uses_torch_operators(monkeypatch):
+    monkeypatch.setenv("OPENK3_NO_KERNELS", "1")
+    moe_cpu._lib.cache_clear()
+    try:
+        assert not moe_cpu.available()
+        model = K3ForCausalLM.build(preset("nano-kl"), seed=0).to(F64).eval()
+        ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert_close("auto vs loop", model(ids, moe_impl="loop"), model(ids), 1e-12)
+    finally:
+        monkeypatch.delenv("OPENK3_NO_KERNELS")
+        moe_cpu._lib.cache_clear()
+
+
+# ---- the KDA step as the compiled decode step writes it -----------------------------------------------------
+
+@pytest.mark.parametrize("B,H,K,V", [(1, 1, 3, 5), (5, 3, 7, 4), (16, 2, 8, 8)])
+def test_kda_step_fused_equals_matmul_form_float64(B, H, K, V):
+    g = torch.Generator().manual_seed(B * 100 + K)
+    state = torch.randn(B, H, K, V, generator=g, dtype=F64)
+    ref_state = state.clone()
+    for _ in range(4):  # several tokens: the in-place state carries over exactly
+        q, k = (torch.nn.functional.normalize(torch.randn(B, H, K, generator=g, dtype=F64), dim=-1) for _ in range(2))
+        v = torch.randn(B, H, V, generator=g, dtype=F64)
+        gdecay = -torch.rand(B, H, K, generator=g, dtype=F64)
+        beta = torch.rand(B, H, generator=g, dtype=F64)
+        ref_o, ref_state = kda_step(q, k, v, gdecay, beta, scale=K ** -0.5, state=ref_state)
+        o = kda_step_fused_(q, k, v, gdecay, beta, scale=K ** -0.5, state=state)
+        assert_close("o", ref_o, o, 1e-12)
+        assert_close("state", ref_state, state, 1e-12)
