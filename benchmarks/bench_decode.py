@@ -64,6 +64,21 @@ TARGET_VS_PEER = 5.0  # openk3 decode tokens/s over transformers' at batch 1
 TARGET_BATCH_SCALING = 8.0  # openk3 decode tokens/s at batch 16 over batch 1
 
 
+def weight_traffic(cfg, batch: int, bytes_per_value: int = 4) -> dict:
+    """Weight bytes one decode step of `batch` rows reads: every non-routed weight once, plus each routed
+    expert that at least one row picks (E (1 - (1 - k/E)^B) per MoE layer under uniform routing). When
+    decode streams its weights (one CPU core, fp32), steps cost about these bytes, which bounds how much
+    batching can gain."""
+    from openk3.plan import counts
+    from openk3.plan.serve import expected_distinct_experts
+
+    p = counts.params(cfg)
+    expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
+    distinct = expected_distinct_experts(cfg, batch)
+    values = p.active - p.routed_active + counts.num_moe_layers(cfg) * distinct * expert
+    return {"batch": batch, "distinct_experts_per_layer": distinct, "bytes": values * bytes_per_value}
+
+
 # ---- the contenders --------------------------------------------------------------------------------------
 
 def engine_run(model, prompts: list[list[int]], new_tokens: int, compile: bool = False) -> dict:
@@ -309,6 +324,13 @@ def main(argv: list[str] | None = None) -> dict:
         result["target_batch16_over_batch1"] = {"value": s, "target": TARGET_BATCH_SCALING,
                                                 "met": s >= TARGET_BATCH_SCALING}
         print(f"openk3 decode batch 16 / batch 1: {s:.2f}x: {met(s, TARGET_BATCH_SCALING)}")
+    if 1 in by_batch and 16 in by_batch:
+        t1, t16 = weight_traffic(cfg, 1), weight_traffic(cfg, 16)
+        bound = 16 * t1["bytes"] / t16["bytes"]
+        result["weight_traffic"] = {"batch1": t1, "batch16": t16, "batch16_over_batch1_bound": bound}
+        print(f"weights read per decode step (fp32): batch 1 {t1['bytes'] / 1e6:.1f} MB, batch 16 "
+              f"{t16['bytes'] / 1e6:.1f} MB ({t16['distinct_experts_per_layer']:.1f} of {cfg.num_experts} experts "
+              f"per layer): a weight-streaming decode gains at most {bound:.2f}x from batch 1 to 16")
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return write_json(args.json, result)
 

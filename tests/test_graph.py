@@ -151,3 +151,4 @@ def test_llm_and_engine_take_compile():
     assert llm.engine.graph is not None and llm.engine.graph.compiled
     assert Engine(model, None, compile=True).graph is llm.engine.graph
     assert Engine(model, None).graph is None
+    assert llm.engine.graph.cpp_wrapper  # on CPU the graph's wrapper is C++ (less per-step overhead)

@@ -169,3 +169,15 @@ def test_kda_step_fused_equals_matmul_form_float64(B, H, K, V):
         o = kda_step_fused_(q, k, v, gdecay, beta, scale=K ** -0.5, state=state)
         assert_close("o", ref_o, o, 1e-12)
         assert_close("state", ref_state, state, 1e-12)
+
+
+def test_compiled_step_picks_gather_for_tiny_picks_and_the_kernel_otherwise():
+    from openk3.model.moe import compiled_impl
+
+    nano, small = (32, 32, 128), (64, 48, 256)  # (E, I, C) of nano-kl and small-kl
+    assert compiled_impl(1, 4, *nano, fused=True) == "gather"  # 4 x 32 x 128 weights: gathered in the graph
+    assert compiled_impl(1, 8, *small, fused=True) == "fused_op"
+    assert compiled_impl(16, 4, *nano, fused=True) == "fused_op"
+    assert compiled_impl(1, 8, *small, fused=False) == "gather"  # without the kernel
+    assert compiled_impl(16, 4, *nano, fused=False) == "dense"
+    assert compiled_impl(16, 8, *small, fused=False) == "grouped_op"

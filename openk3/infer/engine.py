@@ -82,7 +82,8 @@ class Engine:
             max_position_embeddings).
         prefill_chunk: prompt tokens prefilled per step (chunked prefill).
         compile: run decode steps through a compiled `DecodeGraph` (`openk3/infer/graph.py`): much less
-            per-token overhead, at the price of a one-time compile (~25-40 s on a CPU) at the first step.
+            per-token overhead, at the price of a one-time compile (~40-90 s per graph on one CPU core) at
+            the first step.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 16, max_model_len: int | None = None,

@@ -35,14 +35,18 @@ def _(x_NC, weights_NK, idx_NK, w1, w3, w2, hidden_act, beta, linear_beta):
 # 6 N E C I FLOPs, cheaper than per-expert calls while N C I stays under this bound, measured on
 # one CPU core at nano/small shapes). Otherwise the grouped path as one opaque operator.
 DENSE_MAX_NCI = 1 << 17
+# With the fused kernel available, gathering still wins for tiny picks (nano at batch 1: 4 x 32 x 128),
+# not for larger ones (small-kl: 8 x 48 x 256), where the generated gather loops read the weights at
+# about half the kernel's speed.
+GATHER_MAX_MIC = 1 << 15
 # Eager, without autograd: the fused kernel up to this many tokens (decode batches, small prefill chunks);
 # above it the grouped matmuls win (measured on one CPU core: crossover ~256 tokens at nano and small).
 FUSED_MAX_TOKENS = 128
 
 
 def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False) -> str:
-    if tokens * top_k <= num_experts:
-        return "gather"  # inside the graph: no operator call at all (~20 us for the fused kernel's)
+    if tokens * top_k <= num_experts and not (fused and tokens * top_k * hidden * width > GATHER_MAX_MIC):
+        return "gather"  # inside the graph, no operator call (the fused kernel's costs ~20-40 us)
     if fused:
         return "fused_op"
     return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped_op"

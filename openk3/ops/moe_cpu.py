@@ -69,6 +69,16 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
     int rc = (start && order && h) ? sort_pairs(idx, M, E, start, order) : -2;                      \
     if (rc == 0) memset(out, 0, sizeof(T) * N * C);                                                 \
     for (int64_t e = 0; rc == 0 && e < E; e++) {                                                    \
+        if (start[e + 1] == start[e]) continue;                                                     \
+        /* The next touched expert's rows are prefetched while this one computes: cold weights \
+           otherwise stall at every 4 KiB page, where the hardware prefetcher stops. */             \
+        int64_t en = e + 1;                                                                         \
+        while (en < E && start[en + 1] == start[en]) en++;                                          \
+        int pf = en < E;                                                                            \
+        const char *n1 = (const char *)(w1 + (pf ? en : e) * I * C);                                \
+        const char *n3 = (const char *)(w3 + (pf ? en : e) * I * C);                                \
+        const char *n2 = (const char *)(w2 + (pf ? en : e) * C * I);                                \
+        const int64_t row_up = C * (int64_t)sizeof(T), row_down = I * (int64_t)sizeof(T);          \
         for (int64_t p = start[e]; p < start[e + 1]; p += 4) {                                      \
             int nb = (int)(start[e + 1] - p < 4 ? start[e + 1] - p : 4);                            \
             const T *xr[4]; T *orow[4]; T wt[4]; T *hr[4];                                          \
@@ -79,6 +89,8 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
             }                                                                                       \
             for (int64_t i = 0; i < I; i++) {                                                       \
                 const T *r1 = w1 + (e * I + i) * C, *r3 = w3 + (e * I + i) * C;                     \
+                if (pf && p == start[e]) for (int64_t b = 0; b < row_up; b += 64) {                 \
+                    __builtin_prefetch(n1 + i * row_up + b, 0, 1); __builtin_prefetch(n3 + i * row_up + b, 0, 1); } \
                 T g0 = 0, g1 = 0, g2 = 0, g3 = 0, u0 = 0, u1 = 0, u2 = 0, u3 = 0;                   \
                 _Pragma("omp simd reduction(+:g0,g1,g2,g3,u0,u1,u2,u3)")                            \
                 for (int64_t c = 0; c < C; c++) {                                                   \
@@ -95,6 +107,8 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
             }                                                                                       \
             for (int64_t c = 0; c < C; c++) {                                                       \
                 const T *r = w2 + (e * C + c) * I;                                                  \
+                if (pf && p == start[e]) for (int64_t b = 0; b < row_down; b += 64)                 \
+                    __builtin_prefetch(n2 + c * row_down + b, 0, 1);                                \
                 T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                   \
                 _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                        \
                 for (int64_t i = 0; i < I; i++) {                                                   \
