@@ -99,7 +99,7 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
                     u0 += b * xr[0][c]; u1 += b * xr[1][c]; u2 += b * xr[2][c]; u3 += b * xr[3][c]; \
                 }                                                                                   \
                 T g[4] = {g0, g1, g2, g3}, u[4] = {u0, u1, u2, u3};                                 \
-                for (int t = 0; t < nb; t++) {                                                      \
+                for (int t = 0; t < 4; t++) { /* padded lanes too: the down pass reads all four */  \
                     T sig = (T)1 / ((T)1 + EXP(-g[t]));                                             \
                     hr[t][i] = act == ACT_SILU ? g[t] * sig * u[t]                                  \
                         : (T)b1 * TANH(g[t] / (T)b1) * sig * ((T)b2 * TANH(u[t] / (T)b2));          \
