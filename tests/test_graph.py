@@ -83,18 +83,32 @@ def test_compile_failure_falls_back_to_eager():
 
 
 @pytest.mark.slow
-def test_compiled_step_equals_eager_step():
+def test_compiled_step_equals_eager_step(monkeypatch):
     """torch.compile of the step, K3 form (AttnRes, gates, latent MoE): the first call compiles (about
-    a minute on one CPU core; kept to one graph here: two rows decoding together in three slots).
+    two minutes on one CPU core; kept to one graph here: three rows decoding together in four slots,
+    which takes the fused MoE kernel as an opaque operator when it is available, else the dense form).
     The key window grows past the buffers' first capacity under the same graph. Greedy tokens equal,
     logits within fp32 rounding. (The MoE branches the compiled step can take are twins of the
-    reference loop, tested below; a batch of one row compiles a second graph.)"""
+    reference loop, tested below and in test_moe_cpu.py; a batch of one row compiles a second graph.)"""
+    from openk3.model.moe import compiled_impl
+    from openk3.ops import moe_cpu
+
     model = K3ForCausalLM.build(preset("nano"), seed=0).eval()
-    prompts = _prompts((50, 9), model.config.vocab_size)
-    ref_tok, ref_logits = _run(model, None, prompts, max_tokens=20, slots=3, vary=False)
+    c = model.config
+    form = compiled_impl(3, c.num_experts_per_token, c.num_experts, c.moe_intermediate_size, c.expert_in_dim,
+                         fused=moe_cpu.available())
+    assert form == ("fused_op" if moe_cpu.available() else "dense")
+    prompts = _prompts((30, 9, 23), c.vocab_size)  # 62 tokens: all three prefill in the first step
+    ref_tok, ref_logits = _run(model, None, prompts, max_tokens=40, slots=4, vary=False)
+    calls = []
+    if moe_cpu.available():  # count the kernel's calls from inside the compiled graph
+        lib = moe_cpu._lib()
+        monkeypatch.setattr(moe_cpu, "_lib", lambda: calls.append(1) or lib)
     graph = DecodeGraph(model, compile=True)
-    got_tok, got_logits = _run(model, graph, prompts, max_tokens=20, slots=3, vary=False)
+    got_tok, got_logits = _run(model, graph, prompts, max_tokens=40, slots=4, vary=False)
     assert graph.compiled, "the step should have compiled here (gcc is part of the CI image)"
+    moe_layers = sum(1 for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    assert len(calls) >= (39 * moe_layers if moe_cpu.available() else 0), (len(calls), moe_layers)
     assert got_tok == ref_tok
     for a, b in zip(ref_logits, got_logits, strict=True):
         assert_close("logits", a, b, 2e-4)
