@@ -181,3 +181,22 @@ def test_compiled_step_picks_gather_for_tiny_picks_and_the_kernel_otherwise():
     assert compiled_impl(1, 8, *small, fused=False) == "gather"  # without the kernel
     assert compiled_impl(16, 4, *nano, fused=False) == "dense"
     assert compiled_impl(16, 8, *small, fused=False) == "grouped_op"
+
+
+@needs_cc
+def test_large_experts_keep_the_torch_paths(monkeypatch):
+    """Experts above FUSED_MAX_EXPERT weights per matrix stream faster through torch's matmuls."""
+    import openk3.model.moe as moe_mod
+
+    model = K3ForCausalLM.build(preset("nano-kl"), seed=0).eval()
+    calls = []
+    real = moe_cpu.experts_fused
+    monkeypatch.setattr(moe_cpu, "experts_fused", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, model.config.vocab_size, (2, 3))
+    with torch.no_grad():
+        model(ids)
+        assert calls
+        calls.clear()
+        monkeypatch.setattr(moe_mod, "FUSED_MAX_EXPERT", 32 * 128 - 1)  # nano-kl experts are 32 x 128
+        model(ids)
+    assert not calls

@@ -42,6 +42,10 @@ GATHER_MAX_MIC = 1 << 15
 # Eager, without autograd: the fused kernel up to this many tokens (decode batches, small prefill chunks);
 # above it the grouped matmuls win (measured on one CPU core: crossover ~256 tokens at nano and small).
 FUSED_MAX_TOKENS = 128
+# ... and only for small experts (I x C weights per matrix): per-expert call overhead is what the kernel
+# removes; larger experts stream faster through torch's matmuls (and use more than one core), measured
+# crossover between 2^16 (I 96 x C 512: kernel 10-60 % faster) and 2^17 (I 128 x C 1024: 5-20 % slower).
+FUSED_MAX_EXPERT = 1 << 16
 
 
 def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False) -> str:
@@ -123,7 +127,8 @@ class SparseMoE(nn.Module):
         `impl`: "grouped" (one grouped matmul per weight: training, prefill), "fused" (the CPU kernel of
         `ops/moe_cpu.py`: decode, no autograd), "sparse" (only the chosen experts, torch operators: decode
         of a few tokens), "gather" / "dense" (static shapes, for compiled decode), "loop" (reference), or
-        "auto" (without autograd on CPU: fused up to FUSED_MAX_TOKENS tokens when the kernel is available;
+        "auto" (without autograd on CPU: fused up to FUSED_MAX_TOKENS tokens for experts of at most
+        FUSED_MAX_EXPERT weights per matrix when the kernel is available;
         else sparse for <= 4 tokens, grouped above; under torch.compile `compiled_impl`).
         """
         B, T, D = x_BTD.shape
@@ -141,7 +146,8 @@ class SparseMoE(nn.Module):
         else:
             ex = self.experts
             if impl == "auto":
-                fused = moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
+                fused = (ex.w1.shape[1] * ex.w1.shape[2] <= FUSED_MAX_EXPERT
+                         and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available())
                 if torch.compiler.is_compiling():
                     impl = compiled_impl(B * T, self.top_k, *ex.w1.shape, fused=fused)
                 elif fused and B * T <= FUSED_MAX_TOKENS:
