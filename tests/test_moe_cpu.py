@@ -200,3 +200,54 @@ def test_large_experts_keep_the_torch_paths(monkeypatch):
         monkeypatch.setattr(moe_mod, "FUSED_MAX_EXPERT", 32 * 128 - 1)  # nano-kl experts are 32 x 128
         model(ids)
     assert not calls
+
+
+@needs_cc
+@pytest.mark.parametrize("case", ["w2_dtype", "x_f64_w_f32", "bf16", "idx_rows", "weights_cols", "meta", "act"])
+def test_inputs_the_kernel_cannot_take_are_value_errors(case):
+    """The C kernel trusts pointers and sizes: every mismatch is refused before it is called."""
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", torch.float32, widths=(8, 12))
+    args = dict(x=x.detach(), weights=weights.detach(), idx=idx, w1=w1.detach(), w3=w3.detach(), w2=w2.detach())
+    act = "silu"
+    if case == "w2_dtype":
+        args["w2"] = args["w2"].double()
+    elif case == "x_f64_w_f32":
+        args["x"] = args["x"].double()
+    elif case == "bf16":
+        args = {k: (v.bfloat16() if v.is_floating_point() else v) for k, v in args.items()}
+    elif case == "idx_rows":
+        args["idx"] = args["idx"][:-1]
+    elif case == "weights_cols":
+        args["weights"] = args["weights"][:, :-1]
+    elif case == "meta":
+        args["w1"] = args["w1"].to("meta")
+    elif case == "act":
+        act = "gelu"
+    with pytest.raises(ValueError, match="experts_fused"):
+        moe_cpu.experts_fused(*args.values(), act, 4.0, 25.0)
+
+
+@needs_cc
+def test_no_tokens_gives_an_empty_result():
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", F64)
+    out = moe_cpu.experts_fused(x.detach()[:0], weights.detach()[:0], idx[:0], w1.detach(), w3.detach(), w2.detach(),
+                                "silu", 4.0, 25.0)
+    assert out.shape == (0, x.shape[1])
+
+
+@needs_cc
+def test_cached_library_is_readable_by_others_and_cc_may_carry_arguments(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CC", f"{shutil.which('cc')} -std=c11")
+    monkeypatch.setenv("OPENK3_NO_KERNELS", "0")  # "0" means kernels on
+    assert moe_cpu.available()
+    (lib,) = os.listdir(fresh_kernel)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(fresh_kernel / lib).st_mode & 0o777 == 0o755 & ~umask
+
+
+def test_a_compiler_that_makes_nothing_is_not_cached(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CC", shutil.which("true") or "/bin/true")
+    with pytest.warns(RuntimeWarning, match="unavailable"):
+        assert not moe_cpu.available()
+    assert os.listdir(fresh_kernel) == []

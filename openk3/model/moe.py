@@ -49,10 +49,14 @@ FUSED_MAX_EXPERT = 1 << 16
 
 
 def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False) -> str:
-    if tokens * top_k <= num_experts and not (fused and tokens * top_k * hidden * width > GATHER_MAX_MIC):
-        return "gather"  # inside the graph, no operator call (the fused kernel's costs ~20-40 us)
+    # With a symbolic batch each comparison becomes a guard (a recompile where it flips): with the kernel,
+    # the size test comes first, so every batch past it shares the fused graph whatever tokens*k vs E says.
     if fused:
-        return "fused_op"
+        if tokens * top_k * hidden * width > GATHER_MAX_MIC or tokens * top_k > num_experts:
+            return "fused_op"
+        return "gather"  # inside the graph, no operator call (the fused kernel's costs ~20-40 us)
+    if tokens * top_k <= num_experts:
+        return "gather"
     return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped_op"
 
 
@@ -154,9 +158,9 @@ class SparseMoE(nn.Module):
                     impl = "fused"
                 else:
                     impl = "sparse" if B * T <= 4 else "grouped"
-            if impl == "fused":
+            if impl == "fused" and not torch.compiler.is_compiling():  # (ctypes cannot be traced: the op)
                 r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
-            elif impl == "fused_op":
+            elif impl in ("fused", "fused_op"):
                 r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
             elif impl == "gather":
                 r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)

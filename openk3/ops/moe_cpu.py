@@ -7,7 +7,7 @@ small-kl layer) or all experts densely (`experts_dense`: E/K times the FLOPs) or
 CPU torch runs as one call per expert. This kernel sorts the (token, expert) pairs by expert and, for
 each touched expert, streams its gate/up rows past up to four of its tokens at a time, applies the
 GLU in registers and accumulates the weighted down-projection straight into the output: the weights
-are read once at memory speed and nothing is materialised.
+are read once per four tokens of an expert (once, in decode) and nothing is materialised.
 
 It is plain C (float and double), compiled on first use with the system C compiler (`$CC`, else `cc`;
 `-O3 -march=native`, single-threaded) into a per-machine cache (`$OPENK3_KERNEL_CACHE`, else
@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -137,35 +138,36 @@ ACTS = {"silu": 0, "situ": 1}
 def _cache_dir() -> str:
     path = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "openk3", "kernels")
-    try:
-        os.makedirs(path, exist_ok=True)
-        if os.access(path, os.W_OK):
-            return path
-    except OSError:
-        pass
-    return tempfile.mkdtemp(prefix="openk3-kernels-")
+    for candidate in (path, os.path.join(tempfile.gettempdir(), f"openk3-kernels-{os.getuid()}")):
+        try:  # the fallback is one fixed directory per user, not a new one per process
+            os.makedirs(candidate, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            pass
+    raise RuntimeError(f"no writable kernel cache directory ({path} and the temporary directory are not)")
 
 
-def _machine_key(cc: str) -> str:
+def _machine_key(cc: list[str]) -> str:
     """Compiler version, architecture and CPU flags: a library built with -march=native is only reused on
     a machine like the one that built it."""
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
     flags = ""
     try:
-        with open("/proc/cpuinfo") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
+        with open("/proc/cpuinfo") as fh:  # x86: "flags", aarch64: "Features"
+            flags = next((line for line in fh if line.startswith(("flags", "Features"))), "")
     except OSError:
         pass
-    return "\n".join([_SOURCE, " ".join(_FLAGS), version, platform.machine(), flags])
+    return "\n".join([_SOURCE, " ".join(_FLAGS), " ".join(cc), version, platform.machine(), flags])
 
 
 def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"no C compiler ({cc!r} not found)")
+    cc = shlex.split(os.environ.get("CC") or "cc")  # $CC may carry arguments ("gcc -std=c11")
+    if not cc or shutil.which(cc[0]) is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found)")
     key = hashlib.sha256(_machine_key(cc).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     lib_path = os.path.join(out_dir, f"moe_{key}.so")
@@ -176,10 +178,14 @@ def _build() -> ctypes.CDLL:
         try:
             with open(src, "w") as fh:
                 fh.write(_SOURCE)
-            res = subprocess.run([cc, *_FLAGS, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
+            res = subprocess.run([*cc, *_FLAGS, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
                                  timeout=300)
             if res.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-400:]}")
+                raise RuntimeError(f"{' '.join(cc)} failed: {res.stderr.strip()[-400:]}")
+            ctypes.CDLL(tmp_so)  # a compiler that "succeeds" without a loadable library must not be cached
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp_so, 0o755 & ~umask)  # mkstemp made it 0600: others sharing the cache could not load it
             os.replace(tmp_so, lib_path)  # atomic: a concurrent builder sees the old or the complete file
         finally:
             for path in (src, tmp_so):
@@ -196,7 +202,7 @@ def _build() -> ctypes.CDLL:
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("OPENK3_NO_KERNELS"):
+    if os.environ.get("OPENK3_NO_KERNELS", "0") not in ("", "0"):
         return None
     try:
         return _build()
@@ -223,17 +229,22 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
                   w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, hidden_act: str, beta: float,
                   linear_beta: float) -> torch.Tensor:
     """`experts_loop` with the GLU given by its recipe (`hidden_act`, SiTU's `beta`, `linear_beta`), in one
-    kernel call. Inputs must pass `supports` and `available()`. Returns [N, C] in x's dtype.
+    kernel call. Inputs must pass `supports` and `available()` (anything else is a ValueError, not a
+    call into C). Returns [N, C] in x's dtype.
     `experts_fused_op` is the same as a torch.library operator: what a compiled decode step calls (one
     opaque kernel in its graph; eager callers call this function, ~10 us less per call)."""
+    _check(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act)
     lib = _lib()
-    assert lib is not None and x_NC.dtype in (torch.float32, torch.float64), "check supports() first"
+    if lib is None:
+        raise RuntimeError("the fused CPU MoE kernel is unavailable (see available())")
     x = x_NC.contiguous()
     idx = idx_NK.to(torch.int64).contiguous()
     wts = weights_NK.to(x.dtype).contiguous()
     w1, w3, w2 = w1_EIC.contiguous(), w3_EIC.contiguous(), w2_ECI.contiguous()
     (N, C), K, (E, I) = x.shape, idx.shape[1], w1.shape[:2]
     out = torch.empty(N, C, dtype=x.dtype)
+    if N == 0:
+        return out
     fn = lib.openk3_moe_f32 if x.dtype == torch.float32 else lib.openk3_moe_f64
     rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, K, C, w1.data_ptr(), w3.data_ptr(), w2.data_ptr(),
             E, I, ACTS[hidden_act], float(beta), float(linear_beta), out.data_ptr())
@@ -242,6 +253,32 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if rc != 0:
         raise MemoryError("the fused MoE kernel could not allocate its buffers")
     return out
+
+
+def _check(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act) -> None:
+    """The C kernel trusts its pointers and sizes: everything it relies on is checked here (not asserted:
+    `python -O` must not turn a wrong call into a heap overflow)."""
+    tensors = {"x": x_NC, "weights": weights_NK, "idx": idx_NK, "w1": w1_EIC, "w3": w3_EIC, "w2": w2_ECI}
+    off = [n for n, t in tensors.items() if t.device.type != "cpu"]
+    if off:
+        raise ValueError(f"experts_fused runs on CPU tensors; {', '.join(off)} on {tensors[off[0]].device}")
+    if x_NC.dtype not in (torch.float32, torch.float64) or any(t.dtype != x_NC.dtype for t in (w1_EIC, w3_EIC, w2_ECI)):
+        raise ValueError("experts_fused takes float32 or float64 activations and weights of the same dtype; got "
+                         f"x {x_NC.dtype}, w1 {w1_EIC.dtype}, w3 {w3_EIC.dtype}, w2 {w2_ECI.dtype}")
+    if idx_NK.dtype.is_floating_point or idx_NK.dtype.is_complex or idx_NK.dtype == torch.bool:
+        raise ValueError(f"expert ids must be integers, got {idx_NK.dtype}")
+    if hidden_act not in ACTS:
+        raise ValueError(f"experts_fused: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
+    if x_NC.dim() != 2 or w1_EIC.dim() != 3:
+        raise ValueError(f"experts_fused: x must be [N, C] and w1 [E, I, C]; got {tuple(x_NC.shape)}, "
+                         f"{tuple(w1_EIC.shape)}")
+    (N, C), (E, I) = x_NC.shape, w1_EIC.shape[:2]
+    K = idx_NK.shape[-1] if idx_NK.dim() == 2 else -1
+    want = {"idx": (N, K), "weights": (N, K), "w1": (E, I, C), "w3": (E, I, C), "w2": (E, C, I)}
+    bad = [f"{n} {tuple(tensors[n].shape)} (want {w})" for n, w in want.items() if tuple(tensors[n].shape) != w]
+    if K < 0 or bad:
+        raise ValueError(f"experts_fused: shapes do not fit x [N={N}, C={C}] and w1 [E={E}, I={I}, C]: "
+                         + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
 
 
 experts_fused_op = torch.library.custom_op("openk3::experts_fused", mutates_args=())(experts_fused)
