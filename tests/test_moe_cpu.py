@@ -251,3 +251,24 @@ def test_a_compiler_that_makes_nothing_is_not_cached(fresh_kernel, monkeypatch):
     with pytest.warns(RuntimeWarning, match="unavailable"):
         assert not moe_cpu.available()
     assert os.listdir(fresh_kernel) == []
+
+
+@needs_cc
+def test_kernel_work_bound_scales_with_threads(monkeypatch):
+    """The single-threaded kernel yields to torch's matmuls sooner when torch has more threads."""
+    import openk3.model.moe as moe_mod
+
+    model = K3ForCausalLM.build(preset("nano-kl"), seed=0).eval()
+    calls = []
+    real = moe_cpu.experts_fused
+    monkeypatch.setattr(moe_cpu, "experts_fused", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(0, model.config.vocab_size, (2, 3))
+    monkeypatch.setattr(moe_mod, "FUSED_MAX_WORK", 6 * 32 * 128)  # exactly these 6 tokens on one thread
+    monkeypatch.setattr(moe_mod.torch, "get_num_threads", lambda: 1)
+    with torch.no_grad():
+        model(ids)
+        assert calls
+        calls.clear()
+        monkeypatch.setattr(moe_mod.torch, "get_num_threads", lambda: 2)
+        model(ids)
+    assert not calls

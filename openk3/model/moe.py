@@ -39,9 +39,11 @@ DENSE_MAX_NCI = 1 << 17
 # not for larger ones (small-kl: 8 x 48 x 256), where the generated gather loops read the weights at
 # about half the kernel's speed.
 GATHER_MAX_MIC = 1 << 15
-# Eager, without autograd: the fused kernel up to this many tokens (decode batches, small prefill chunks);
-# above it the grouped matmuls win (measured on one CPU core: crossover ~256 tokens at nano and small).
-FUSED_MAX_TOKENS = 128
+# Eager, without autograd: the fused kernel (single-threaded) while tokens x I x C x threads stays under
+# this bound; above it the grouped matmuls win (measured with 1 and 2 threads: nano experts up to 128
+# tokens either way; small-kl experts up to 128 tokens on one thread, 64 on two; I 96 x C 512 up to 32
+# on one thread, none on two).
+FUSED_MAX_WORK = 1 << 21
 # ... and only for small experts (I x C weights per matrix): per-expert call overhead is what the kernel
 # removes; larger experts stream faster through torch's matmuls (and use more than one core), measured
 # crossover between 2^16 (I 96 x C 512: kernel 10-60 % faster) and 2^17 (I 128 x C 1024: 5-20 % slower).
@@ -131,8 +133,8 @@ class SparseMoE(nn.Module):
         `impl`: "grouped" (one grouped matmul per weight: training, prefill), "fused" (the CPU kernel of
         `ops/moe_cpu.py`: decode, no autograd), "sparse" (only the chosen experts, torch operators: decode
         of a few tokens), "gather" / "dense" (static shapes, for compiled decode), "loop" (reference), or
-        "auto" (without autograd on CPU: fused up to FUSED_MAX_TOKENS tokens for experts of at most
-        FUSED_MAX_EXPERT weights per matrix when the kernel is available;
+        "auto" (without autograd on CPU: fused while tokens x I x C x threads <= FUSED_MAX_WORK, for experts
+        of at most FUSED_MAX_EXPERT weights per matrix, when the kernel is available;
         else sparse for <= 4 tokens, grouped above; under torch.compile `compiled_impl`).
         """
         B, T, D = x_BTD.shape
@@ -154,7 +156,7 @@ class SparseMoE(nn.Module):
                          and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available())
                 if torch.compiler.is_compiling():
                     impl = compiled_impl(B * T, self.top_k, *ex.w1.shape, fused=fused)
-                elif fused and B * T <= FUSED_MAX_TOKENS:
+                elif fused and B * T * ex.w1.shape[1] * ex.w1.shape[2] * torch.get_num_threads() <= FUSED_MAX_WORK:
                     impl = "fused"
                 else:
                     impl = "sparse" if B * T <= 4 else "grouped"
