@@ -184,25 +184,6 @@ def test_compiled_step_picks_gather_for_tiny_picks_and_the_kernel_otherwise():
 
 
 @needs_cc
-def test_large_experts_keep_the_torch_paths(monkeypatch):
-    """Experts above FUSED_MAX_EXPERT weights per matrix stream faster through torch's matmuls."""
-    import openk3.model.moe as moe_mod
-
-    model = K3ForCausalLM.build(preset("nano-kl"), seed=0).eval()
-    calls = []
-    real = moe_cpu.experts_fused
-    monkeypatch.setattr(moe_cpu, "experts_fused", lambda *a: calls.append(1) or real(*a))
-    ids = torch.randint(0, model.config.vocab_size, (2, 3))
-    with torch.no_grad():
-        model(ids)
-        assert calls
-        calls.clear()
-        monkeypatch.setattr(moe_mod, "FUSED_MAX_EXPERT", 32 * 128 - 1)  # nano-kl experts are 32 x 128
-        model(ids)
-    assert not calls
-
-
-@needs_cc
 @pytest.mark.parametrize("case", ["w2_dtype", "x_f64_w_f32", "bf16", "idx_rows", "weights_cols", "meta", "act"])
 def test_inputs_the_kernel_cannot_take_are_value_errors(case):
     """The C kernel trusts pointers and sizes: every mismatch is refused before it is called."""
@@ -254,21 +235,30 @@ def test_a_compiler_that_makes_nothing_is_not_cached(fresh_kernel, monkeypatch):
 
 
 @needs_cc
-def test_kernel_work_bound_scales_with_threads(monkeypatch):
-    """The single-threaded kernel yields to torch's matmuls sooner when torch has more threads."""
+@pytest.mark.parametrize("limit,over,threads", [("FUSED_MAX_EXPERT", 32 * 128 - 1, 1),
+                                                ("FUSED_MAX_WORK", 6 * 32 * 128 - 1, 1),
+                                                ("FUSED_MAX_WORK", 6 * 32 * 128, 2)])
+def test_kernel_yields_to_torch_matmuls(limit, over, threads, monkeypatch):
+    """Experts above FUSED_MAX_EXPERT weights per matrix, and work above FUSED_MAX_WORK (tokens x I x C x
+    torch threads: the kernel is single-threaded), go to torch's matmuls; at the bounds, to the kernel.
+    nano-kl experts are 32 x 128; the prompt is 6 tokens."""
     import openk3.model.moe as moe_mod
 
     model = K3ForCausalLM.build(preset("nano-kl"), seed=0).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 3))
     calls = []
     real = moe_cpu.experts_fused
     monkeypatch.setattr(moe_cpu, "experts_fused", lambda *a: calls.append(1) or real(*a))
-    ids = torch.randint(0, model.config.vocab_size, (2, 3))
-    monkeypatch.setattr(moe_mod, "FUSED_MAX_WORK", 6 * 32 * 128)  # exactly these 6 tokens on one thread
-    monkeypatch.setattr(moe_mod.torch, "get_num_threads", lambda: 1)
-    with torch.no_grad():
-        model(ids)
-        assert calls
+
+    def kernel_calls(expert_bound, work_bound, num_threads):
+        monkeypatch.setattr(moe_mod, "FUSED_MAX_EXPERT", expert_bound)
+        monkeypatch.setattr(moe_mod, "FUSED_MAX_WORK", work_bound)
+        monkeypatch.setattr(moe_mod.torch, "get_num_threads", lambda: num_threads)
         calls.clear()
-        monkeypatch.setattr(moe_mod.torch, "get_num_threads", lambda: 2)
-        model(ids)
-    assert not calls
+        with torch.no_grad():
+            model(ids)
+        return len(calls)
+
+    assert kernel_calls(32 * 128, 6 * 32 * 128, 1) > 0
+    bounds = {"FUSED_MAX_EXPERT": 32 * 128, "FUSED_MAX_WORK": 6 * 32 * 128, limit: over}
+    assert kernel_calls(bounds["FUSED_MAX_EXPERT"], bounds["FUSED_MAX_WORK"], threads) == 0
