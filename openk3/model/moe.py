@@ -15,18 +15,27 @@ from openk3.ops import moe as moe_ops
 from openk3.ops import moe_cpu
 
 
-@torch.library.custom_op("openk3::experts_grouped", mutates_args=())
-def _experts_grouped_op(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1: torch.Tensor,
-                        w3: torch.Tensor, w2: torch.Tensor, hidden_act: str, beta: float,
-                        linear_beta: float) -> torch.Tensor:
-    """`experts_grouped` as one opaque operator: a compiled decode step calls it like a kernel
-    instead of splitting its graph at the data-dependent sort and counts inside."""
+def _experts_grouped_impl(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1: torch.Tensor,
+                          w3: torch.Tensor, w2: torch.Tensor, hidden_act: str, beta: float,
+                          linear_beta: float) -> torch.Tensor:
     return moe_ops.experts_grouped(x_NC, weights_NK, idx_NK, w1, w3, w2, make_glu(hidden_act, beta, linear_beta))
 
 
-@_experts_grouped_op.register_fake
+# `experts_grouped` as one opaque operator (`openk3::experts_grouped`): a compiled decode step calls it like
+# a kernel instead of splitting its graph at the data-dependent sort and counts inside. A plain
+# torch.library registration (any device, no autograd: decode only), as `ops/moe_cpu.py` explains.
+_LIB = torch.library.Library("openk3", "FRAGMENT")
+_LIB.define("experts_grouped(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1, Tensor w3, Tensor w2, "
+            "str hidden_act, float beta, float linear_beta) -> Tensor")
+_LIB.impl("experts_grouped", _experts_grouped_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("openk3::experts_grouped", lib=_LIB)
 def _(x_NC, weights_NK, idx_NK, w1, w3, w2, hidden_act, beta, linear_beta):
-    return torch.empty_like(x_NC)
+    return torch.empty_like(x_NC, memory_format=torch.contiguous_format)
+
+
+_experts_grouped_op = torch.ops.openk3.experts_grouped.default
 
 
 # Inside a compiled decode step every branch must have static shapes. Few picks: gather the picked
