@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from openk3.common import opaque_op
 from openk3.config import K3Config
 from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight, make_glu
 from openk3.ops import moe as moe_ops
@@ -21,21 +22,11 @@ def _experts_grouped_impl(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: 
     return moe_ops.experts_grouped(x_NC, weights_NK, idx_NK, w1, w3, w2, make_glu(hidden_act, beta, linear_beta))
 
 
-# `experts_grouped` as one opaque operator (`openk3::experts_grouped`): a compiled decode step calls it like
-# a kernel instead of splitting its graph at the data-dependent sort and counts inside. A plain
-# torch.library registration (any device, no autograd: decode only), as `ops/moe_cpu.py` explains.
-_LIB = torch.library.Library("openk3", "FRAGMENT")
-_LIB.define("experts_grouped(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1, Tensor w3, Tensor w2, "
-            "str hidden_act, float beta, float linear_beta) -> Tensor")
-_LIB.impl("experts_grouped", _experts_grouped_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("openk3::experts_grouped", lib=_LIB)
-def _(x_NC, weights_NK, idx_NK, w1, w3, w2, hidden_act, beta, linear_beta):
-    return torch.empty_like(x_NC, memory_format=torch.contiguous_format)
-
-
-_experts_grouped_op = torch.ops.openk3.experts_grouped.default
+# `experts_grouped` as one opaque operator (`openk3::experts_grouped`, any device): a compiled decode step
+# calls it like a kernel instead of splitting its graph at the data-dependent sort and counts inside.
+_experts_grouped_op = opaque_op(
+    "experts_grouped", "(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1, Tensor w3, Tensor w2, "
+    "str hidden_act, float beta, float linear_beta) -> Tensor", _experts_grouped_impl, "CompositeExplicitAutograd")
 
 
 # Inside a compiled decode step every branch must have static shapes. Few picks: gather the picked

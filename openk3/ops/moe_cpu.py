@@ -34,6 +34,8 @@ import warnings
 
 import torch
 
+from openk3.common import opaque_op
+
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
@@ -281,19 +283,6 @@ def _check(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act) -> None
                          + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
 
 
-# The operator a compiled graph calls, registered with a plain `torch.library.Library` for the CPU key
-# (not `torch.library.custom_op`, whose Python wrappers cost ~70 us per call inside a compiled graph
-# against ~25 us here: measured, 12 calls per small-kl step). No autograd kernel: callers check
-# `supports` (no grad), as for `experts_fused`.
-_LIB = torch.library.Library("openk3", "FRAGMENT")
-_LIB.define("experts_fused(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1_EIC, Tensor w3_EIC, "
-            "Tensor w2_ECI, str hidden_act, float beta, float linear_beta) -> Tensor")
-_LIB.impl("experts_fused", experts_fused, "CPU")
-
-
-@torch.library.register_fake("openk3::experts_fused", lib=_LIB)
-def _(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act, beta, linear_beta):
-    return torch.empty_like(x_NC, memory_format=torch.contiguous_format)
-
-
-experts_fused_op = torch.ops.openk3.experts_fused.default
+experts_fused_op = opaque_op(
+    "experts_fused", "(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1_EIC, Tensor w3_EIC, Tensor w2_ECI, "
+    "str hidden_act, float beta, float linear_beta) -> Tensor", experts_fused, "CPU")
