@@ -73,9 +73,8 @@ def weight_traffic(cfg, batch: int, bytes_per_value: int = 4) -> dict:
     from openk3.plan.serve import expected_distinct_experts
 
     p = counts.params(cfg)
-    expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
     distinct = expected_distinct_experts(cfg, batch)
-    values = p.active - p.routed_active + counts.num_moe_layers(cfg) * distinct * expert
+    values = p.active - p.routed_active + counts.num_moe_layers(cfg) * distinct * counts.params_per_expert(cfg)
     return {"batch": batch, "distinct_experts_per_layer": distinct, "bytes": values * bytes_per_value}
 
 

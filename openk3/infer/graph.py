@@ -146,8 +146,7 @@ class DecodeGraph:
                               "decoding eagerly", RuntimeWarning, stacklevel=2)
                 self._fn, self.compiled = self._step, False
                 logits = self._fn(ids_n1, *args)
-            slots.advance(n)
-            return logits
-        logits = self._fn(ids_n1, *args)
+        else:
+            logits = self._fn(ids_n1, *args)
         slots.advance(n)
         return logits

@@ -152,11 +152,11 @@ class SparseMoE(nn.Module):
         else:
             ex = self.experts
             if impl == "auto":
-                fused = (ex.w1.shape[1] * ex.w1.shape[2] <= FUSED_MAX_EXPERT
-                         and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available())
+                E, I, C = ex.w1.shape
+                fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
                 if torch.compiler.is_compiling():
-                    impl = compiled_impl(B * T, self.top_k, *ex.w1.shape, fused=fused)
-                elif fused and B * T * ex.w1.shape[1] * ex.w1.shape[2] * torch.get_num_threads() <= FUSED_MAX_WORK:
+                    impl = compiled_impl(B * T, self.top_k, E, I, C, fused=fused)
+                elif fused and B * T * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
                     impl = "fused"
                 else:
                     impl = "sparse" if B * T <= 4 else "grouped"

@@ -215,7 +215,7 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """True when the kernel is built (or can be): a C compiler exists and `OPENK3_NO_KERNELS` is unset."""
+    """True when the kernel is built (or can be): a C compiler exists and `OPENK3_NO_KERNELS` is unset or 0."""
     return _lib() is not None
 
 

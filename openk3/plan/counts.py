@@ -112,6 +112,11 @@ def _moe(cfg: K3Config, p: str) -> list[TensorGroup]:
     return out
 
 
+def params_per_expert(cfg: K3Config) -> int:
+    """Weights of one routed expert: gate, up [I, C] and down [C, I] (C the latent width in K3)."""
+    return 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
+
+
 def num_moe_layers(cfg: K3Config) -> int:
     return sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
 
@@ -153,8 +158,7 @@ def params(cfg: K3Config) -> Params:
         by[t.component] += t.numel
     total = sum(by.values())
     routed = by["routed_experts"]
-    expert = 3 * cfg.expert_in_dim * cfg.moe_intermediate_size
-    routed_active = num_moe_layers(cfg) * expert * cfg.num_experts_per_token
+    routed_active = num_moe_layers(cfg) * params_per_expert(cfg) * cfg.num_experts_per_token
     active_emb = total - routed + routed_active
     vectors = sum(t.numel for t in ts if t.vector)
     return Params(total=total, embedding=by["embedding"], lm_head=by["lm_head"], routed_experts=routed,

@@ -85,8 +85,7 @@ def memory(cfg: K3Config, spec: ServeSpec, p: counts.Params | None = None) -> di
         "kda_state_bytes_per_sequence": kda, "kda_conv_bytes_per_sequence": conv, "mla_cache_bytes_per_token": mla,
         "mla_cache_bytes_per_sequence": mla * spec.context, "cache_bytes_per_sequence": per_seq,
         "cache_bytes": per_seq * spec.concurrency, "activation_bytes": _int(activation_bytes(cfg, spec.prefill_chunk)),
-        "expert_bytes_each": _int(3 * cfg.expert_in_dim * cfg.moe_intermediate_size
-                                  * weight_format(spec.expert_format).bytes_per_value),
+        "expert_bytes_each": _int(counts.params_per_expert(cfg) * weight_format(spec.expert_format).bytes_per_value),
     }
 
 
