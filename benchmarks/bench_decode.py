@@ -58,24 +58,29 @@ from openk3.infer.engine import Engine  # noqa: E402
 from openk3.infer.sample import SamplingParams  # noqa: E402
 from openk3.model.accounting import count_params  # noqa: E402
 from openk3.model.model import K3ForCausalLM  # noqa: E402
+from openk3.model.moe import SparseMoE  # noqa: E402
 from openk3.peers import check_kimi_linear_form, to_transformers  # noqa: E402
+from openk3.quant.mxfp4 import quantize_dequantize  # noqa: E402
+from openk3.quant.packed_experts import pack_model_experts_  # noqa: E402
 
 TARGET_VS_PEER = 5.0  # openk3 decode tokens/s over transformers' at batch 1
 TARGET_BATCH_SCALING = 8.0  # openk3 decode tokens/s at batch 16 over batch 1
 
 
-def weight_traffic(cfg, batch: int, bytes_per_value: int = 4) -> dict:
+def weight_traffic(cfg, batch: int, bytes_per_value: float = 4, expert_bytes_per_value: float | None = None) -> dict:
     """Weight bytes one decode step of `batch` rows reads: every non-routed weight once, plus each routed
     expert that at least one row picks (E (1 - (1 - k/E)^B) per MoE layer under uniform routing). When
     decode streams its weights (one CPU core, fp32), steps cost about these bytes, which bounds how much
-    batching can gain."""
+    batching can gain. `expert_bytes_per_value`: the routed experts' own (4.25 / 8 for MXFP4)."""
     from openk3.plan import counts
     from openk3.plan.serve import expected_distinct_experts
 
     p = counts.params(cfg)
     distinct = expected_distinct_experts(cfg, batch)
-    values = p.active - p.routed_active + counts.num_moe_layers(cfg) * distinct * counts.params_per_expert(cfg)
-    return {"batch": batch, "distinct_experts_per_layer": distinct, "bytes": values * bytes_per_value}
+    routed = counts.num_moe_layers(cfg) * distinct * counts.params_per_expert(cfg)
+    per_expert = bytes_per_value if expert_bytes_per_value is None else expert_bytes_per_value
+    return {"batch": batch, "distinct_experts_per_layer": distinct,
+            "bytes": (p.active - p.routed_active) * bytes_per_value + routed * per_expert}
 
 
 # ---- the contenders --------------------------------------------------------------------------------------
@@ -260,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict:
                                                         "else eager)")
     ap.add_argument("--compile", action="store_true", help="also time the engine with its compiled decode step "
                                                           "(Engine(compile=True); compile time not counted)")
+    ap.add_argument("--experts", choices=["float32", "mxfp4"], default="float32",
+                    help="mxfp4: openk3 keeps the routed experts packed in MXFP4 (as the release ships them; "
+                         "the MXFP4 CPU kernel), transformers gets the same values dequantised to float32")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.new_tokens < 3:
@@ -283,7 +291,16 @@ def main(argv: list[str] | None = None) -> dict:
           f"{cfg.num_hidden_layers} layers, {cfg.num_experts} experts top-{cfg.num_experts_per_token}; "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, fp32")
     print(machine_line(threads))
+    if args.experts == "mxfp4":  # round the experts to MXFP4 values first: both sides then hold the same weights
+        with torch.no_grad():
+            for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+                for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2):
+                    w.copy_(quantize_dequantize(w))
     hf = to_transformers(model)
+    if args.experts == "mxfp4":
+        pack_model_experts_(model)
+        print("experts: openk3 holds them packed in MXFP4 (4.25 bits/weight), transformers as float32 of the "
+              "same values")
     impl = pick_experts_impl(hf, args.hf_experts)
     print(f"transformers: KimiLinearForCausalLM.generate, attn eager, experts implementation {impl!r}, "
           f"KDA/conv through its pure-torch fallbacks")
@@ -303,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"(first mismatch per row: {r['first_mismatch'][:4]}{' ...' if B > 4 else ''}) [{r['wall_s']:.0f} s]",
               flush=True)
 
-    result = {"preset": args.preset, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+    result = {"preset": args.preset, "experts": args.experts, "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens,
               "threads": threads, "repeats": args.repeats, "warmup": args.warmup, "machine": machine_line(threads),
               "transformers_experts_implementation": impl, "batches": rows}
     print()
@@ -324,10 +342,12 @@ def main(argv: list[str] | None = None) -> dict:
                                                 "met": s >= TARGET_BATCH_SCALING}
         print(f"openk3 decode batch 16 / batch 1: {s:.2f}x: {met(s, TARGET_BATCH_SCALING)}")
     if 1 in by_batch and 16 in by_batch:
-        t1, t16 = weight_traffic(cfg, 1), weight_traffic(cfg, 16)
+        ebytes = 4.25 / 8 if args.experts == "mxfp4" else None
+        t1, t16 = (weight_traffic(cfg, b, expert_bytes_per_value=ebytes) for b in (1, 16))
         bound = 16 * t1["bytes"] / t16["bytes"]
         result["weight_traffic"] = {"batch1": t1, "batch16": t16, "batch16_over_batch1_bound": bound}
-        print(f"weights read per decode step (fp32): batch 1 {t1['bytes'] / 1e6:.1f} MB, batch 16 "
+        kind = "fp32, experts MXFP4" if ebytes else "fp32"
+        print(f"weights read per decode step ({kind}): batch 1 {t1['bytes'] / 1e6:.1f} MB, batch 16 "
               f"{t16['bytes'] / 1e6:.1f} MB ({t16['distinct_experts_per_layer']:.1f} of {cfg.num_experts} experts "
               f"per layer): a weight-streaming decode gains at most {bound:.2f}x from batch 1 to 16")
     print(f"total {time.perf_counter() - t_start:.0f} s")

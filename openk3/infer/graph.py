@@ -24,6 +24,7 @@ import warnings
 import torch
 
 from openk3.model.cache import KDAState, SlotCache
+from openk3.ops import moe_mxfp4_cpu
 
 
 def _no_duck_shapes(fn):
@@ -96,6 +97,11 @@ class DecodeGraph:
                  cpp_wrapper: bool | None = None) -> None:
         self.model = model
         self.compiled = compile
+        if compile and any(hasattr(m, "w1_packed") for m in model.modules()):
+            if not moe_mxfp4_cpu.available():  # the packed experts' torch path has data-dependent shapes
+                raise ValueError("compiled decode of MXFP4-packed experts needs the MXFP4 CPU kernel (a C "
+                                 "compiler, OPENK3_NO_KERNELS unset); use compile=False or load with "
+                                 "keep_packed=False")
         # Guards on the model's modules and parameters cost ~0.5 ms per call at small shapes; an engine
         # keeps its model, so only the step's own tensor inputs are checked (shape, dtype, strides).
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}

@@ -50,11 +50,11 @@ class ShortConv(nn.Module):
         return F.silu(out_BTP), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
 
 
-def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_PJ: torch.Tensor) -> torch.Tensor:
-    """One decode token of `ShortConv` (weights `w_PJ` = weight[:, 0, :]): silu(conv) [B, P] in fp32;
-    shifts `history_BWP` in place (no autograd)."""
+def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_JP: torch.Tensor) -> torch.Tensor:
+    """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t(), contiguous so that the
+    compiled step vectorises along P): silu(conv) [B, P] in fp32; shifts `history_BWP` in place (no autograd)."""
     full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
-    out_BP = (full_BJP * upcast(w_PJ).t()).sum(1)
+    out_BP = (full_BJP * upcast(w_JP)).sum(1)
     if history_BWP.shape[1]:
         history_BWP.copy_(full_BJP[:, 1:])
     return F.silu(out_BP)
@@ -174,9 +174,10 @@ class KimiDeltaAttention(nn.Module):
             ys = [m(x_BD) for m in projs]
             qkv_B3P = torch.cat(ys[:3], -1)
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        w_conv = fused_weight(self, "conv", [c.weight[:, 0, :] for c in convs])
+        taps = [c.weight[:, 0, :].t() for c in convs]  # [J, P] each; cat makes them one contiguous [J, 3P]
+        w_conv = fused_weight(self, "conv", taps, dim=1)
         if w_conv is None:
-            w_conv = torch.cat([c.weight[:, 0, :] for c in convs])
+            w_conv = torch.cat(taps, 1)
         qkv_B3P = conv_step_(qkv_B3P, state.conv, w_conv)
         qk_B2HK = l2_normalize(qkv_B3P[:, :2 * P].reshape(B, 2 * H, K))
         q_BHK, k_BHK = qk_B2HK[:, :H], qk_B2HK[:, H:]

@@ -13,7 +13,7 @@ from openk3.common import opaque_op
 from openk3.config import K3Config
 from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight, make_glu
 from openk3.ops import moe as moe_ops
-from openk3.ops import moe_cpu
+from openk3.ops import moe_cpu, moe_mxfp4_cpu
 
 
 def _experts_grouped_impl(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1: torch.Tensor,
@@ -65,6 +65,11 @@ def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width:
 @torch.compiler.assume_constant_result
 def _fused_available() -> bool:
     return moe_cpu.available()
+
+
+@torch.compiler.assume_constant_result
+def _mxfp4_available() -> bool:
+    return moe_mxfp4_cpu.available()
 
 
 class Router(nn.Module):
@@ -145,10 +150,8 @@ class SparseMoE(nn.Module):
         if self.record_routing:
             self.last_routing = (scores_NE.detach(), idx_NK.detach())
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
-        if hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant; lazy import: no cycle)
-            from openk3.quant.packed_experts import experts_packed
-
-            r_NC = experts_packed(z_NC, w_NK, idx_NK, self.experts, self.glu, z_NC.dtype)
+        if hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant)
+            r_NC = self._packed_experts(z_NC, w_NK, idx_NK, impl)
         else:
             ex = self.experts
             if impl == "auto":
@@ -182,3 +185,22 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_experts"):
             out_ND = out_ND + self.shared_experts(x_ND)  # full-width input, unweighted
         return out_ND.view(B, T, D)
+
+    def _packed_experts(self, z_NC: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, impl: str) -> torch.Tensor:
+        """Routed experts held in MXFP4 (`quant.PackedExperts`): the MXFP4 CPU kernel (decode, short
+        prompts, every compiled step) or, otherwise, `experts_packed` (dequantise each touched expert)."""
+        pe = self.experts
+        bufs = (pe.w1_packed, pe.w1_scale, pe.w3_packed, pe.w3_scale, pe.w2_packed, pe.w2_scale)
+        kernel = impl in ("auto", "fused") and moe_mxfp4_cpu.supports(z_NC, self.act[0]) and _mxfp4_available()
+        if torch.compiler.is_compiling():
+            if not kernel:  # experts_packed's per-expert loop has data-dependent shapes: no graph
+                raise ValueError("a compiled decode step on MXFP4-packed experts needs the MXFP4 CPU kernel "
+                                 "(a C compiler, CPU, float32/float64, no autograd); decode uncompiled "
+                                 "(compile=False) or load the experts unpacked (keep_packed=False)")
+            return moe_mxfp4_cpu.experts_mxfp4_op(z_NC, w_NK, idx_NK, *bufs, *self.act)
+        work = z_NC.shape[0] * pe.hidden * pe.dim * torch.get_num_threads()
+        if kernel and (impl == "fused" or work <= FUSED_MAX_WORK):
+            return moe_mxfp4_cpu.experts_mxfp4(z_NC, w_NK, idx_NK, *bufs, *self.act)
+        from openk3.quant.packed_experts import experts_packed  # lazy: openk3.quant imports this module
+
+        return experts_packed(z_NC, w_NK, idx_NK, pe, self.glu, z_NC.dtype)

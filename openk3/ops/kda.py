@@ -81,19 +81,29 @@ def kda_step_(q, k, v, g, beta, *, scale: float, state: torch.Tensor) -> torch.T
     return o_N1V.view(B, H, V).to(q.dtype)
 
 
+def _materialized(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself (a view of all of it). Under torch.compile, inductor stores `x` in a buffer here rather than
+    inlining its expression into every loop that reads it (`as_strided` needs storage): the state loops then
+    load q and k instead of redoing their L2 norm's rsqrt for every state element they touch."""
+    return x.as_strided(x.shape, x.stride())
+
+
 def kda_step_fused_(q, k, v, g, beta, *, scale: float, state: torch.Tensor) -> torch.Tensor:
     """`kda_step_` written as broadcasts and sums instead of batched matmuls: what a compiled decode
-    step uses (`kda_step_` picks it under torch.compile). The compiler turns it into a few loops that
-    read the state [B, H, K, V] in place and write it once; as matmuls of one row each it was a copy
-    of the state per layer plus three tiny bmm calls (the state dominates a batched decode step's
-    traffic: 16 rows x 4 heads x 32 x 32 fp32 = 256 KiB per layer at nano). Same contract as `kda_step_`."""
+    step uses (`kda_step_` picks it under torch.compile). The state [B, H, K, V] dominates a batched
+    decode step's traffic (16 rows x 4 heads x 32 x 32 fp32 = 256 KiB per layer at nano), so the
+    compiler gets two passes over it: one reads the decayed state D S for u = (D S)^T k and
+    (D S)^T q' together, one writes S <- D S + k d^T in place. The output needs no third pass:
+    o = S_new^T q' = (D S)^T q' + (k . q') d, with q' = scale q. Same contract as `kda_step_`."""
     dt = state.dtype
+    qk_2BHK = _materialized(torch.stack([q.to(dt) * scale, k.to(dt)]))
+    q_BHK, k_BHK = qk_2BHK[0], qk_2BHK[1]
     decayed_BHKV = state * _exp(g.to(dt))[..., None]
-    k_BHK1 = k.to(dt)[..., None]
-    u_BHV = (k_BHK1 * decayed_BHKV).sum(-2)
+    u_BHV = (k_BHK[..., None] * decayed_BHKV).sum(-2)
+    o_BHV = (q_BHK[..., None] * decayed_BHKV).sum(-2)
     d_BHV = beta.to(dt)[..., None] * (v.to(dt) - u_BHV)
-    state.copy_(decayed_BHKV + k_BHK1 * d_BHV[..., None, :])
-    o_BHV = ((q.to(dt) * scale)[..., None] * state).sum(-2)
+    state.copy_(decayed_BHKV + k_BHK[..., None] * d_BHV[..., None, :])
+    o_BHV = o_BHV + (q_BHK * k_BHK).sum(-1, keepdim=True) * d_BHV
     return o_BHV.to(q.dtype)
 
 

@@ -9,9 +9,8 @@ each touched expert, streams its gate/up rows past up to four of its tokens at a
 GLU in registers and accumulates the weighted down-projection straight into the output: the weights
 are read once per four tokens of an expert (once, in decode) and nothing is materialised.
 
-It is plain C (float and double), compiled on first use with the system C compiler (`$CC`, else `cc`;
-`-O3 -march=native`, single-threaded) into a per-machine cache (`$OPENK3_KERNEL_CACHE`, else
-`~/.cache/openk3/kernels`; written atomically), and called through ctypes. Without a compiler it is
+It is plain C (float and double), compiled on first use with the system C compiler into a per-machine
+cache (`ops/cbuild.py`; single-threaded), and called through ctypes. Without a compiler it is
 simply unavailable (`available()` is False) and callers keep the torch paths. `experts_fused` has the
 contract of `ops.moe.experts_loop`; tests prove them equal in float64. The activation is the model's
 GLU recipe, written out here for SiLU and SiTU (spec §4.2); tests compare it with `layers.make_glu`.
@@ -23,20 +22,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import warnings
 
 import torch
 
 from openk3.common import opaque_op
+from openk3.ops import cbuild
 
-_SOURCE = r"""
+# Shared with `moe_mxfp4_cpu.py`: pair sorting and the GLU recipes (spec §4.2) in float and double.
+C_COMMON = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,9 +54,21 @@ static int sort_pairs(const int64_t *idx, int64_t M, int64_t E, int64_t *start, 
     return 0;
 }
 
+/* glu(gate, up): SiLU(g) u, or SiTU: b1 tanh(g / b1) sigmoid(g) * b2 tanh(u / b2). */
+static inline float glu_f32(float g, float u, int act, double b1, double b2) {
+    float sig = 1.0f / (1.0f + expf(-g));
+    return act == ACT_SILU ? g * sig * u : (float)b1 * tanhf(g / (float)b1) * sig * ((float)b2 * tanhf(u / (float)b2));
+}
+static inline double glu_f64(double g, double u, int act, double b1, double b2) {
+    double sig = 1.0 / (1.0 + exp(-g));
+    return act == ACT_SILU ? g * sig * u : b1 * tanh(g / b1) * sig * (b2 * tanh(u / b2));
+}
+"""
+
+_SOURCE = C_COMMON + r"""
 /* out[N, C] = sum over each token's K picks of weight * w2[e] . glu(w1[e] x, w3[e] x).
    Four tokens of one expert share each pass over a weight row (the rows are read once per block). */
-#define DEFINE(T, SUF, EXP, TANH)                                                                   \
+#define DEFINE(T, SUF)                                                                               \
 int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K, int64_t C, \
                      const T *w1, const T *w3, const T *w2, int64_t E, int64_t I, int act, double b1, \
                      double b2, T *out) {                                                            \
@@ -102,11 +108,8 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
                     u0 += b * xr[0][c]; u1 += b * xr[1][c]; u2 += b * xr[2][c]; u3 += b * xr[3][c]; \
                 }                                                                                   \
                 T g[4] = {g0, g1, g2, g3}, u[4] = {u0, u1, u2, u3};                                 \
-                for (int t = 0; t < 4; t++) { /* padded lanes too: the down pass reads all four */  \
-                    T sig = (T)1 / ((T)1 + EXP(-g[t]));                                             \
-                    hr[t][i] = act == ACT_SILU ? g[t] * sig * u[t]                                  \
-                        : (T)b1 * TANH(g[t] / (T)b1) * sig * ((T)b2 * TANH(u[t] / (T)b2));          \
-                }                                                                                   \
+                for (int t = 0; t < 4; t++) /* padded lanes too: the down pass reads all four */    \
+                    hr[t][i] = glu_##SUF(g[t], u[t], act, b1, b2);                                  \
             }                                                                                       \
             for (int64_t c = 0; c < C; c++) {                                                       \
                 const T *r = w2 + (e * C + c) * I;                                                  \
@@ -127,73 +130,15 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
     return rc;                                                                                      \
 }
 
-DEFINE(float, f32, expf, tanhf)
-DEFINE(double, f64, exp, tanh)
+DEFINE(float, f32)
+DEFINE(double, f64)
 """
 
-# -ffp-contract=fast lets the compiler fuse multiply-adds; `omp simd` allows the vectorised reductions
-# (a different summation order than torch's, within rounding; the float64 tests bound it).
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
 ACTS = {"silu": 0, "situ": 1}
 
 
-def _cache_dir() -> str:
-    path = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "openk3", "kernels")
-    for candidate in (path, os.path.join(tempfile.gettempdir(), f"openk3-kernels-{os.getuid()}")):
-        try:  # the fallback is one fixed directory per user, not a new one per process
-            os.makedirs(candidate, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return candidate
-        except OSError:
-            pass
-    raise RuntimeError(f"no writable kernel cache directory ({path} and the temporary directory are not)")
-
-
-def _machine_key(cc: list[str]) -> str:
-    """Compiler version, architecture and CPU flags: a library built with -march=native is only reused on
-    a machine like the one that built it."""
-    try:
-        version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as fh:  # x86: "flags", aarch64: "Features"
-            flags = next((line for line in fh if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return "\n".join([_SOURCE, " ".join(_FLAGS), " ".join(cc), version, platform.machine(), flags])
-
-
 def _build() -> ctypes.CDLL:
-    cc = shlex.split(os.environ.get("CC") or "cc")  # $CC may carry arguments ("gcc -std=c11")
-    if not cc or shutil.which(cc[0]) is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found)")
-    key = hashlib.sha256(_machine_key(cc).encode()).hexdigest()[:16]
-    out_dir = _cache_dir()
-    lib_path = os.path.join(out_dir, f"moe_{key}.so")
-    if not os.path.exists(lib_path):
-        fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        src = tmp_so[:-3] + ".c"
-        try:
-            with open(src, "w") as fh:
-                fh.write(_SOURCE)
-            res = subprocess.run([*cc, *_FLAGS, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
-                                 timeout=300)
-            if res.returncode != 0:
-                raise RuntimeError(f"{' '.join(cc)} failed: {res.stderr.strip()[-400:]}")
-            ctypes.CDLL(tmp_so)  # a compiler that "succeeds" without a loadable library must not be cached
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp_so, 0o755 & ~umask)  # mkstemp made it 0600: others sharing the cache could not load it
-            os.replace(tmp_so, lib_path)  # atomic: a concurrent builder sees the old or the complete file
-        finally:
-            for path in (src, tmp_so):
-                if os.path.exists(path):
-                    os.unlink(path)
-    lib = ctypes.CDLL(lib_path)
+    lib = cbuild.build("moe", _SOURCE)
     P, L, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
     for name in ("openk3_moe_f32", "openk3_moe_f64"):
         fn = getattr(lib, name)
@@ -204,7 +149,7 @@ def _build() -> ctypes.CDLL:
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if os.environ.get("OPENK3_NO_KERNELS", "0") not in ("", "0"):
+    if cbuild.disabled():
         return None
     try:
         return _build()

@@ -2,7 +2,9 @@
 dequantised one expert at a time at matmul time, only for experts that received tokens.
 
 `SparseMoE.forward` dispatches here when its `experts` is a `PackedExperts` (it tests for the
-`w1_packed` attribute, so `openk3.model` never imports this package). Inference only: the packed
+`w1_packed` attribute, so `openk3.model` never imports this package): decode batches and short prompts
+on CPU go to the MXFP4 kernel (`openk3/ops/moe_mxfp4_cpu.py`, which reads the packed bytes directly),
+everything else to `experts_packed` below. Inference only: the packed
 buffers are uint8 and get no gradients; activations may still require grad (see `experts_packed`).
 
 Legend: N tokens, C expert input width (latent in K3), I expert hidden width, E experts, K top-k.

@@ -1,0 +1,311 @@
+"""A fused CPU kernel for routed experts held in MXFP4 (the release's packed experts, 4.25 bits per
+weight): decode reads the packed bytes, never a dequantised copy.
+
+Why: a decode step's routed experts cost about the bytes of their weights (one CPU core streams them).
+Kept packed (`openk3.quant.PackedExperts`), an expert is 7.5x smaller than in float32, so a step reads
+7.5x fewer expert bytes; `experts_packed` (torch operators) instead dequantises each touched expert
+into a temporary and runs three matmuls on it. This kernel decodes one weight row at a time into a
+buffer that stays in L1 (E2M1 code -> value by a 16-entry table, times the group's E8M0 scale
+2^(b-127)) and runs it past up to 64 of the expert's tokens, four per pass, as `moe_cpu.py` does for
+float weights: gate/up rows, the GLU in registers, then the down rows accumulated, weighted, into the
+output. The next touched expert's rows are prefetched while one computes.
+
+Built and cached like `moe_cpu.py` (`ops/cbuild.py`; `OPENK3_NO_KERNELS=1` disables it). Computes in
+the activations' dtype (float32 or float64); dequantisation is exact there (module `quant.mxfp4`), so
+`experts_mxfp4` equals `experts_loop` on the dequantised experts up to summation order (tests: float64,
+odd shapes). Inference only (no autograd). MXFP4 layout: see `quant/mxfp4.py`; C and I are multiples
+of 32.
+
+Legend: N tokens, C expert input width, I expert hidden width, E experts, K experts per token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import torch
+
+from openk3.common import opaque_op
+from openk3.ops import cbuild
+from openk3.ops.moe_cpu import ACTS, C_COMMON
+
+_SOURCE = C_COMMON + r"""
+static const float E2M1_f32[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                  -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+static const double E2M1_f64[16] = {0., .5, 1., 1.5, 2., 3., 4., 6., -0., -.5, -1., -1.5, -2., -3., -4., -6.};
+
+/* 2^(b - 127), built from its bits (exact; byte 0 is the float32 subnormal 2^-127). */
+static inline float scale_f32(uint8_t b) {
+    union { uint32_t u; float f; } v;
+    v.u = b ? (uint32_t)b << 23 : 0x00400000u;
+    return v.f;
+}
+static inline double scale_f64(uint8_t b) {
+    union { uint64_t u; double f; } v;
+    v.u = (uint64_t)(b + 1023 - 127) << 52;
+    return v.f;
+}
+
+enum { CHUNK = 64 };  /* tokens of one expert whose hidden rows are held at once */
+
+#if defined(__AVX512F__) && !defined(OPENK3_SCALAR)
+#include <immintrin.h>
+/* float32 rows, 32 elements (16 bytes) per step: bytes -> 32-bit lanes, low and high nibbles looked up
+   in a 16-entry table held in one register (vpermps), scaled, then interleaved back to element order. */
+static int deq_f32(const uint8_t *p, const uint8_t *s, int64_t n, float *o) {
+    const __m512 lut = _mm512_loadu_ps(E2M1_f32);
+    const __m512i nib = _mm512_set1_epi32(15);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int64_t g = 0; g < n / 32; g++) {
+        if (s[g] == 255) return -1;
+        __m512 sc = _mm512_set1_ps(scale_f32(s[g]));
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + g * 16)));
+        __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(v, nib), lut), sc);
+        __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), lut), sc);
+        _mm512_storeu_ps(o + g * 32, _mm512_permutex2var_ps(lo, even, hi));
+        _mm512_storeu_ps(o + g * 32 + 16, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+    return 0;
+}
+#define SCALAR_F32 0
+#else
+#define SCALAR_F32 1
+#endif
+
+/* One row of n (a multiple of 32) elements: packed p[n/2], scales s[n/32] -> o[n]. -1 on byte 255. */
+#define DEQ_SCALAR(T, SUF)                                                                          \
+static int deq_##SUF(const uint8_t *p, const uint8_t *s, int64_t n, T *o) {                         \
+    for (int64_t g = 0; g < n / 32; g++) {                                                          \
+        if (s[g] == 255) return -1;                                                                 \
+        T sc = scale_##SUF(s[g]);                                                                   \
+        const uint8_t *pg = p + g * 16;                                                             \
+        T *og = o + g * 32;                                                                         \
+        for (int j = 0; j < 16; j++) {                                                              \
+            og[2 * j] = E2M1_##SUF[pg[j] & 15] * sc;                                                \
+            og[2 * j + 1] = E2M1_##SUF[pg[j] >> 4] * sc;                                            \
+        }                                                                                           \
+    }                                                                                               \
+    return 0;                                                                                       \
+}
+#if SCALAR_F32
+DEQ_SCALAR(float, f32)
+#endif
+DEQ_SCALAR(double, f64)
+
+#define DEFINE(T, SUF)                                                                               \
+static void prefetch_##SUF(const uint8_t *a, int64_t n) {                                           \
+    for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(a + b, 0, 1);                            \
+}                                                                                                   \
+                                                                                                    \
+int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K,     \
+                           int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3,      \
+                           const uint8_t *s3, const uint8_t *p2, const uint8_t *s2, int64_t E,      \
+                           int64_t I, int act, double b1, double b2, T *out) {                      \
+    int64_t M = N * K;                                                                              \
+    const int64_t pc = C / 2, sc = C / 32, pi = I / 2, si = I / 32; /* bytes per row */            \
+    int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *order = malloc(sizeof(int64_t) * (M + 1)); \
+    T *h = malloc(sizeof(T) * CHUNK * (I + 1));                                                     \
+    T *r1 = malloc(sizeof(T) * (C + 1)), *r3 = malloc(sizeof(T) * (C + 1)), *r2 = malloc(sizeof(T) * 4 * (I + 1)); \
+    int rc = (start && order && h && r1 && r3 && r2) ? sort_pairs(idx, M, E, start, order) : -2;   \
+    if (rc == 0) memset(out, 0, sizeof(T) * N * C);                                                 \
+    for (int64_t e = 0; rc == 0 && e < E; e++) {                                                    \
+        if (start[e + 1] == start[e]) continue;                                                     \
+        int64_t en = e + 1;                                                                         \
+        while (en < E && start[en + 1] == start[en]) en++;                                          \
+        int pf = en < E;                                                                            \
+        for (int64_t q0 = start[e]; rc == 0 && q0 < start[e + 1]; q0 += CHUNK) {                    \
+            int64_t nq = start[e + 1] - q0 < CHUNK ? start[e + 1] - q0 : CHUNK;                     \
+            int first = pf && q0 == start[e];                                                       \
+            for (int64_t i = 0; i < I; i++) {                                                       \
+                int64_t row = e * I + i, nrow = en * I + i;                                         \
+                if (deq_##SUF(p1 + row * pc, s1 + row * sc, C, r1)                                  \
+                    || deq_##SUF(p3 + row * pc, s3 + row * sc, C, r3)) { rc = -3; break; }          \
+                if (first) {                                                                        \
+                    prefetch_##SUF(p1 + nrow * pc, pc); prefetch_##SUF(p3 + nrow * pc, pc);         \
+                    prefetch_##SUF(s1 + nrow * sc, sc); prefetch_##SUF(s3 + nrow * sc, sc); }       \
+                if (nq == 1) { /* decode: one token (no padded lanes) */                            \
+                    const T *x0 = x + (order[q0] / K) * C;                                          \
+                    T g0 = 0, u0 = 0;                                                               \
+                    _Pragma("omp simd reduction(+:g0,u0)")                                          \
+                    for (int64_t c = 0; c < C; c++) { g0 += r1[c] * x0[c]; u0 += r3[c] * x0[c]; }   \
+                    h[i] = glu_##SUF(g0, u0, act, b1, b2);                                          \
+                    continue;                                                                       \
+                }                                                                                   \
+                for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
+                    int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
+                    const T *xr[4];                                                                 \
+                    for (int t = 0; t < 4; t++) xr[t] = x + (order[q0 + t0 + (t < nb ? t : 0)] / K) * C; \
+                    T g0 = 0, g1 = 0, g2 = 0, g3 = 0, u0 = 0, u1 = 0, u2 = 0, u3 = 0;               \
+                    _Pragma("omp simd reduction(+:g0,g1,g2,g3,u0,u1,u2,u3)")                        \
+                    for (int64_t c = 0; c < C; c++) {                                               \
+                        T a = r1[c], b = r3[c];                                                     \
+                        g0 += a * xr[0][c]; g1 += a * xr[1][c]; g2 += a * xr[2][c]; g3 += a * xr[3][c]; \
+                        u0 += b * xr[0][c]; u1 += b * xr[1][c]; u2 += b * xr[2][c]; u3 += b * xr[3][c]; \
+                    }                                                                               \
+                    T g[4] = {g0, g1, g2, g3}, u[4] = {u0, u1, u2, u3};                             \
+                    for (int t = 0; t < nb; t++) h[(t0 + t) * I + i] = glu_##SUF(g[t], u[t], act, b1, b2); \
+                }                                                                                   \
+            }                                                                                       \
+            if (nq == 1 && C % 4 == 0) { /* decode: four down rows per pass */                   \
+                T *o0 = out + (order[q0] / K) * C, w0 = wts[order[q0]];                             \
+                for (int64_t c = 0; rc == 0 && c < C; c += 4) {                                     \
+                    for (int r = 0; r < 4; r++) {                                                   \
+                        int64_t row = e * C + c + r, nrow = en * C + c + r;                         \
+                        if (deq_##SUF(p2 + row * pi, s2 + row * si, I, r2 + r * I)) { rc = -3; break; } \
+                        if (first) { prefetch_##SUF(p2 + nrow * pi, pi); prefetch_##SUF(s2 + nrow * si, si); } \
+                    }                                                                               \
+                    if (rc) break;                                                                  \
+                    T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                               \
+                    const T *q1 = r2 + I, *q2 = r2 + 2 * I, *q3 = r2 + 3 * I;                       \
+                    _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                    \
+                    for (int64_t i = 0; i < I; i++) {                                               \
+                        T v = h[i];                                                                 \
+                        a0 += r2[i] * v; a1 += q1[i] * v; a2 += q2[i] * v; a3 += q3[i] * v;         \
+                    }                                                                               \
+                    o0[c] += w0 * a0; o0[c + 1] += w0 * a1; o0[c + 2] += w0 * a2; o0[c + 3] += w0 * a3; \
+                }                                                                                   \
+                continue;                                                                           \
+            }                                                                                       \
+            for (int64_t c = 0; rc == 0 && c < C; c++) {                                            \
+                int64_t row = e * C + c, nrow = en * C + c;                                         \
+                if (deq_##SUF(p2 + row * pi, s2 + row * si, I, r2)) { rc = -3; break; }             \
+                if (first) { prefetch_##SUF(p2 + nrow * pi, pi); prefetch_##SUF(s2 + nrow * si, si); } \
+                for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
+                    int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
+                    const T *hr[4];                                                                 \
+                    for (int t = 0; t < 4; t++) hr[t] = h + (t0 + (t < nb ? t : 0)) * I;            \
+                    T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                               \
+                    _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                    \
+                    for (int64_t i = 0; i < I; i++) {                                               \
+                        T w = r2[i];                                                                \
+                        a0 += w * hr[0][i]; a1 += w * hr[1][i]; a2 += w * hr[2][i]; a3 += w * hr[3][i]; \
+                    }                                                                               \
+                    T a[4] = {a0, a1, a2, a3};                                                      \
+                    for (int t = 0; t < nb; t++) {                                                  \
+                        int64_t m = order[q0 + t0 + t];                                             \
+                        out[(m / K) * C + c] += wts[m] * a[t];                                      \
+                    }                                                                               \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    free(start); free(order); free(h); free(r1); free(r3); free(r2);                                \
+    return rc;                                                                                      \
+}
+
+DEFINE(float, f32)
+DEFINE(double, f64)
+"""
+
+_NAMES = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL | None:
+    if cbuild.disabled():
+        return None
+    try:
+        lib = cbuild.build("moe_mxfp4", _SOURCE)
+    except Exception as e:  # noqa: BLE001 - any build failure only costs speed
+        warnings.warn(f"openk3: the MXFP4 CPU MoE kernel is unavailable ({e}); using torch operators",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    P, L, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    for name in ("openk3_moe_mxfp4_f32", "openk3_moe_mxfp4_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [P, P, P, L, L, L, P, P, P, P, P, P, L, L, ctypes.c_int, D, D, P]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """True when the kernel is built (or can be): a C compiler exists and `OPENK3_NO_KERNELS` is unset or 0."""
+    return _lib() is not None
+
+
+def supports(x_NC: torch.Tensor, hidden_act: str) -> bool:
+    """Whether `experts_mxfp4` takes these activations (availability aside): CPU, float32 or float64, a
+    known activation, no autograd."""
+    return (x_NC.device.type == "cpu" and x_NC.dtype in (torch.float32, torch.float64) and hidden_act in ACTS
+            and not torch.is_grad_enabled())
+
+
+def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_packed: torch.Tensor,
+                  w1_scale: torch.Tensor, w3_packed: torch.Tensor, w3_scale: torch.Tensor, w2_packed: torch.Tensor,
+                  w2_scale: torch.Tensor, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """`experts_loop` on the dequantised experts (`PackedExperts` buffers: w1/w3 packed [E, I, C/2] and
+    scale [E, I, C/32], w2 packed [E, C, I/2] and scale [E, C, I/32], uint8), with the GLU given by its
+    recipe, in one kernel call. Returns [N, C] in x's dtype. Bad inputs (and scale byte 255, E8M0 NaN,
+    in a used expert) raise ValueError; nothing unchecked reaches C.
+
+    Called once per MoE layer per decode step, so its Python is kept lean (~10 us): tensors already
+    contiguous and of the right dtype are passed as they are."""
+    bufs = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    E, I, C = _check(x_NC, weights_NK, idx_NK, bufs, hidden_act)
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
+    x = x_NC if x_NC.is_contiguous() else x_NC.contiguous()
+    idx = idx_NK if idx_NK.dtype == torch.int64 and idx_NK.is_contiguous() else idx_NK.to(torch.int64).contiguous()
+    wts = weights_NK if weights_NK.dtype == x.dtype and weights_NK.is_contiguous() else \
+        weights_NK.to(x.dtype).contiguous()
+    bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
+    N, K = idx.shape
+    out = x.new_empty((N, C))
+    if N == 0:
+        return out
+    fn = lib.openk3_moe_mxfp4_f32 if x.dtype == torch.float32 else lib.openk3_moe_mxfp4_f64
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, K, C, bufs[0].data_ptr(), bufs[1].data_ptr(),
+            bufs[2].data_ptr(), bufs[3].data_ptr(), bufs[4].data_ptr(), bufs[5].data_ptr(), E, I,
+            ACTS[hidden_act], beta, linear_beta, out.data_ptr())
+    if rc == -1:
+        raise ValueError(f"expert ids out of range [0, {E}) in the routing")
+    if rc == -3:
+        raise ValueError("MXFP4 scale byte 255 (E8M0 NaN) in a routed expert; refusing to produce NaN weights")
+    if rc != 0:
+        raise MemoryError("the MXFP4 MoE kernel could not allocate its buffers")
+    return out
+
+
+def _check(x_NC, weights_NK, idx_NK, bufs: tuple, hidden_act) -> tuple[int, int, int]:
+    """Everything the C kernel relies on (not asserted: `python -O` must not turn a wrong call into a heap
+    overflow). The common case costs a few attribute reads; messages are built only on failure. Returns
+    (E, I, C)."""
+    tensors = (x_NC, weights_NK, idx_NK, *bufs)
+    if not all(t.is_cpu for t in tensors):
+        off = [n for n, t in zip(("x", "weights", "idx", *_NAMES), tensors, strict=True) if not t.is_cpu]
+        raise ValueError(f"experts_mxfp4 runs on CPU tensors; {', '.join(off)} not on the CPU")
+    if x_NC.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"experts_mxfp4 takes float32 or float64 activations, got {x_NC.dtype}")
+    if any(b.dtype != torch.uint8 for b in bufs):
+        bad = [f"{n} {b.dtype}" for n, b in zip(_NAMES, bufs, strict=True) if b.dtype != torch.uint8]
+        raise ValueError(f"experts_mxfp4: MXFP4 buffers must be uint8; got {', '.join(bad)}")
+    if idx_NK.dtype.is_floating_point or idx_NK.dtype.is_complex or idx_NK.dtype == torch.bool:
+        raise ValueError(f"expert ids must be integers, got {idx_NK.dtype}")
+    if hidden_act not in ACTS:
+        raise ValueError(f"experts_mxfp4: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
+    if x_NC.dim() != 2 or bufs[0].dim() != 3:
+        raise ValueError(f"experts_mxfp4: x must be [N, C] and w1_packed [E, I, C/2]; got {tuple(x_NC.shape)}, "
+                         f"{tuple(bufs[0].shape)}")
+    (N, C), (E, I) = x_NC.shape, bufs[0].shape[:2]
+    if C % 32 or I % 32:
+        raise ValueError(f"experts_mxfp4: C ({C}) and I ({I}) must be multiples of 32 (MXFP4 groups)")
+    K = idx_NK.shape[-1] if idx_NK.dim() == 2 else -1
+    want = ((N, K), (N, K), (E, I, C // 2), (E, I, C // 32), (E, I, C // 2), (E, I, C // 32), (E, C, I // 2),
+            (E, C, I // 32))
+    have = (weights_NK.shape, idx_NK.shape, *(b.shape for b in bufs))
+    if K < 0 or any(h != w for h, w in zip(have, want, strict=True)):
+        bad = [f"{n} {tuple(h)} (want {w})" for n, h, w in zip(("weights", "idx", *_NAMES), have, want, strict=True)
+               if h != w]
+        raise ValueError(f"experts_mxfp4: shapes do not fit x [N={N}, C={C}] and w1_packed [E={E}, I={I}, C/2]: "
+                         + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
+    return E, I, C
+
+
+experts_mxfp4_op = opaque_op(
+    "experts_mxfp4", "(Tensor x_NC, Tensor weights_NK, Tensor idx_NK, Tensor w1_packed, Tensor w1_scale, "
+    "Tensor w3_packed, Tensor w3_scale, Tensor w2_packed, Tensor w2_scale, str hidden_act, float beta, "
+    "float linear_beta) -> Tensor", experts_mxfp4, "CPU")

@@ -1,0 +1,38 @@
+"""The decode benchmarks run end to end at toy sizes (their numbers are not checked: no timed asserts),
+so a change that breaks a benchmark script fails CI rather than the next person measuring."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
+
+
+@needs_cc
+def test_bench_mxfp4_decode_runs(tmp_path):
+    import bench_mxfp4_decode
+
+    out = bench_mxfp4_decode.main(["--presets", "nano", "--tokens", "1", "3", "--layers", "1", "--repeats", "1",
+                                   "--json", str(tmp_path / "r.json")])
+    rows = out["rows"]
+    assert [r["tokens"] for r in rows] == [1, 3] and all(r["relative_error"] < 1e-5 for r in rows)
+    assert (tmp_path / "r.json").exists()
+    assert rows[0]["packed_bytes_per_layer"] == 32 * 3 * 64 * 64 * 17 // 32  # 4.25 bits per weight
+
+
+@needs_cc
+def test_bench_decode_with_mxfp4_experts_runs():
+    """openk3 on packed experts against transformers on the same values: the greedy tokens agree."""
+    pytest.importorskip("transformers")
+    import bench_decode
+
+    out = bench_decode.main(["--preset", "nano-kl", "--experts", "mxfp4", "--batch", "1", "2", "--prompt-len", "8",
+                             "--new-tokens", "4", "--repeats", "1", "--warmup", "0"])
+    assert out["experts"] == "mxfp4"
+    assert all(r["greedy_agreement"] == 1.0 for r in out["batches"]), [r["greedy_agreement"] for r in out["batches"]]

@@ -1,0 +1,169 @@
+"""The MXFP4 CPU MoE kernel (`ops/moe_mxfp4_cpu.py`) equals the per-expert loop on the dequantised
+experts (its AVX-512 and portable dequantisers alike), refuses bad input with a clear error, and is
+what a model with packed experts decodes through, eager and compiled."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from helpers import assert_close
+from test_ops_moe import GLUS, _inputs
+
+from openk3.config import preset
+from openk3.infer.graph import DecodeGraph
+from openk3.model.model import K3ForCausalLM
+from openk3.ops import cbuild, moe_mxfp4_cpu
+from openk3.ops.moe import experts_loop
+from openk3.quant.mxfp4 import pack, unpack
+from openk3.quant.packed_experts import pack_model_experts_
+
+F64 = torch.float64
+ACTS = {"situ": ("situ", 4.0, 25.0), "swiglu": ("silu", 4.0, 25.0)}  # GLUS names -> the kernel's recipe
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
+
+# (case of test_ops_moe's routing, C, I): every width a multiple of 32. N1: the one-token decode paths;
+# N29 unbalanced: experts with 1..4+ tokens (padded lanes); one-expert-hot with 150 tokens: > 64 per expert.
+SHAPES = [("N1-uniform", 64, 32), ("N13-uniform", 96, 64), ("N29-unbalanced", 32, 96), ("N17-one-expert-hot", 160, 32)]
+
+
+def _packed_inputs(case, C, I, dtype, tokens=None):
+    (x, weights, w1, w3, w2), idx = _inputs(case, F64, widths=(C, I))
+    if tokens is not None:  # more tokens, the same routing kind: tile the rows
+        reps = -(-tokens // x.shape[0])
+        x, weights, idx = (t.detach().repeat(reps, 1)[:tokens] for t in (x, weights, idx))
+    bufs = [b for w in (w1, w3, w2) for b in pack(w.detach())]
+    deq = [unpack(bufs[2 * j], bufs[2 * j + 1], dtype) for j in range(3)]
+    return x.detach().to(dtype), weights.detach().to(dtype), idx, bufs, deq
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernel(request, monkeypatch):
+    """The kernel as built for this machine (AVX-512 dequantiser where the CPU has it) and the portable C one."""
+    if request.param == "portable":
+        lib = moe_mxfp4_cpu._lib.__wrapped__  # the build function, uncached
+        monkeypatch.setattr(cbuild, "FLAGS", [*cbuild.FLAGS, "-DOPENK3_SCALAR"])
+        built = lib()
+        monkeypatch.setattr(moe_mxfp4_cpu, "_lib", lambda: built)
+    return request.param
+
+
+@needs_cc
+@pytest.mark.parametrize("glu_name", list(GLUS))
+@pytest.mark.parametrize("case,C,I", SHAPES)
+def test_mxfp4_kernel_equals_loop_float64(kernel, case, C, I, glu_name):
+    x, weights, idx, bufs, deq = _packed_inputs(case, C, I, F64)
+    ref = experts_loop(x, weights, idx, *deq, GLUS[glu_name])
+    got = moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS[glu_name])
+    assert got.dtype == F64 and got.shape == ref.shape
+    assert_close(f"{case} {glu_name}", ref, got, 1e-12)
+
+
+@needs_cc
+def test_mxfp4_kernel_many_tokens_per_expert(kernel):
+    """150 tokens on one hot expert: the kernel's 64-token chunks."""
+    x, weights, idx, bufs, deq = _packed_inputs("N17-one-expert-hot", 64, 32, F64, tokens=150)
+    assert int(torch.bincount(idx.flatten()).max()) > 64
+    ref = experts_loop(x, weights, idx, *deq, GLUS["situ"])
+    assert_close("150 tokens", ref, moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"]), 1e-12)
+
+
+@needs_cc
+@pytest.mark.parametrize("case,C,I", SHAPES)
+def test_mxfp4_kernel_float32_is_accurate(kernel, case, C, I):
+    """float32: the dequantised weights are exact, so only the sums' rounding differs from float64."""
+    x, weights, idx, bufs, deq = _packed_inputs(case, C, I, torch.float32)
+    exact = experts_loop(x.double(), weights.double(), idx, *(w.double() for w in deq), GLUS["situ"])
+    got = moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"])
+    assert got.dtype == torch.float32
+    assert_close(case, exact, got.double(), 1e-5)
+
+
+@needs_cc
+def test_mxfp4_kernel_refuses_bad_input():
+    x, weights, idx, bufs, _ = _packed_inputs("N13-uniform", 64, 32, torch.float32)
+    call = moe_mxfp4_cpu.experts_mxfp4
+    nan = [b.clone() for b in bufs]
+    nan[1][idx[0, 0], 0, 0] = 255  # E8M0 NaN in a routed expert's gate scales
+    with pytest.raises(ValueError, match="scale byte 255"):
+        call(x, weights, idx, *nan, *ACTS["situ"])
+    with pytest.raises(ValueError, match="out of range"):
+        call(x, weights, idx + 100, *bufs, *ACTS["situ"])
+    with pytest.raises(ValueError, match="must be uint8"):
+        call(x, weights, idx, bufs[0].float(), *bufs[1:], *ACTS["situ"])
+    with pytest.raises(ValueError, match="float32 or float64"):
+        call(x.bfloat16(), weights, idx, *bufs, *ACTS["situ"])
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        call(x, weights, idx, *bufs[:5], bufs[5][:, :, :0], *ACTS["situ"])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        call(x[:, :48], weights, idx, *bufs, *ACTS["situ"])
+    with pytest.raises(ValueError, match="unknown activation"):
+        call(x, weights, idx, *bufs, "gelu", 4.0, 25.0)
+
+
+@needs_cc
+def test_mxfp4_op_registration():
+    x, weights, idx, bufs, _ = _packed_inputs("N13-uniform", 64, 32, torch.float32)
+    torch.library.opcheck(moe_mxfp4_cpu.experts_mxfp4_op, (x, weights, idx, *bufs, *ACTS["situ"]),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def _decode_logits(model, ids_BT, next_BS):
+    cache = model.new_cache()
+    out = [model(ids_BT, cache=cache)[:, -1]]
+    out += [model(next_BS[:, s:s + 1], cache=cache)[:, -1] for s in range(next_BS.shape[1])]
+    return torch.stack(out)
+
+
+@needs_cc
+@pytest.mark.parametrize("name", ["nano", "nano-kl"])
+def test_packed_model_decodes_through_the_kernel(name, monkeypatch):
+    """A model with MXFP4-packed experts (`keep_packed=True` loads, `pack_model_experts_`) decodes through
+    the kernel, and its logits equal the unpacked model's on the same (dequantised) weights, float64."""
+    plain = K3ForCausalLM.build(preset(name), seed=0).to(F64).eval()
+    packed = pack_model_experts_(K3ForCausalLM.build(preset(name), seed=0).to(F64).eval())
+    for moe_p, moe_q in zip(*([m for m in mdl.modules() if hasattr(m, "experts")] for mdl in (plain, packed)),
+                            strict=True):
+        moe_p.experts = moe_q.experts.to_experts(F64)  # the same weights, dequantised
+    calls = []
+    real = moe_mxfp4_cpu.experts_mxfp4
+    monkeypatch.setattr(moe_mxfp4_cpu, "experts_mxfp4", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    ids = torch.randint(0, plain.config.vocab_size, (3, 7), generator=torch.Generator().manual_seed(0))
+    nxt = torch.randint(0, plain.config.vocab_size, (3, 3), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = _decode_logits(packed, ids, nxt)
+        ref = _decode_logits(plain, ids, nxt)
+    assert calls and 21 in calls and 3 in calls, calls
+    assert_close("logits", ref, got, 1e-10)
+
+
+@needs_cc
+def test_packed_experts_compile_into_one_op(monkeypatch):
+    """Under torch.compile (fullgraph) the packed layer is the opaque `openk3::experts_mxfp4` call, equal
+    to eager."""
+    model = pack_model_experts_(K3ForCausalLM.build(preset("nano-kl"), seed=0).eval())
+    moe = next(m for m in model.modules() if hasattr(m, "experts") and hasattr(m.experts, "w1_packed"))
+    x = torch.randn(1, 3, model.config.hidden_size, generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = moe(x)
+        got = torch.compile(moe, fullgraph=True, backend="aot_eager")(x)
+    assert_close("compiled", ref, got, 1e-6)
+
+
+def test_compiled_decode_of_packed_experts_without_the_kernel_is_refused(monkeypatch):
+    model = pack_model_experts_(K3ForCausalLM.build(preset("nano-kl"), seed=0).eval())
+    monkeypatch.setenv("OPENK3_NO_KERNELS", "1")
+    moe_mxfp4_cpu._lib.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="MXFP4 CPU kernel"):
+            DecodeGraph(model, compile=True)
+        DecodeGraph(model, compile=False)  # eager decode stays available (experts_packed)
+        ids = torch.randint(0, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert torch.isfinite(model(ids)).all()
+    finally:
+        monkeypatch.delenv("OPENK3_NO_KERNELS")
+        moe_mxfp4_cpu._lib.cache_clear()
