@@ -180,52 +180,81 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     call into C). Returns [N, C] in x's dtype.
     `experts_fused_op` (`openk3::experts_fused`) is the same as a torch.library operator: what a compiled
     decode step calls (one opaque kernel in its graph; eager callers call this function directly)."""
-    _check(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act)
+    weights = (w1_EIC, w3_EIC, w2_ECI)
+    check_call("experts_fused", x_NC, weights_NK, idx_NK, dict(zip(("w1", "w3", "w2"), weights, strict=True)),
+               hidden_act)
+    if any(w.dtype != x_NC.dtype for w in weights):
+        raise ValueError("experts_fused takes weights of the activations' dtype; got "
+                         f"x {x_NC.dtype}, w1 {w1_EIC.dtype}, w3 {w3_EIC.dtype}, w2 {w2_ECI.dtype}")
+    if w1_EIC.dim() != 3:
+        raise ValueError(f"experts_fused: w1 must be [E, I, C]; got {tuple(w1_EIC.shape)}")
+    (N, C), (E, I) = x_NC.shape, w1_EIC.shape[:2]
+    check_shapes("experts_fused", x_NC, weights_NK, idx_NK, {"w1": (w1_EIC, (E, I, C)), "w3": (w3_EIC, (E, I, C)),
+                                                             "w2": (w2_ECI, (E, C, I))})
     lib = _lib()
     if lib is None:
         raise RuntimeError("the fused CPU MoE kernel is unavailable (see available())")
-    x = x_NC.contiguous()
-    idx = idx_NK.to(torch.int64).contiguous()
-    wts = weights_NK.to(x.dtype).contiguous()
-    w1, w3, w2 = w1_EIC.contiguous(), w3_EIC.contiguous(), w2_ECI.contiguous()
-    (N, C), K, (E, I) = x.shape, idx.shape[1], w1.shape[:2]
-    out = torch.empty(N, C, dtype=x.dtype)
+    x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
+    w1, w3, w2 = (w if w.is_contiguous() else w.contiguous() for w in weights)
+    out = x.new_empty((N, C))
     if N == 0:
         return out
     fn = lib.openk3_moe_f32 if x.dtype == torch.float32 else lib.openk3_moe_f64
-    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, K, C, w1.data_ptr(), w3.data_ptr(), w2.data_ptr(),
-            E, I, ACTS[hidden_act], float(beta), float(linear_beta), out.data_ptr())
-    if rc == -1:
-        raise ValueError(f"expert ids out of range [0, {E}) in the routing")
-    if rc != 0:
-        raise MemoryError("the fused MoE kernel could not allocate its buffers")
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, w1.data_ptr(), w3.data_ptr(),
+            w2.data_ptr(), E, I, ACTS[hidden_act], beta, linear_beta, out.data_ptr())
+    raise_for(rc, "experts_fused", E)
     return out
 
 
-def _check(x_NC, weights_NK, idx_NK, w1_EIC, w3_EIC, w2_ECI, hidden_act) -> None:
-    """The C kernel trusts its pointers and sizes: everything it relies on is checked here (not asserted:
-    `python -O` must not turn a wrong call into a heap overflow)."""
-    tensors = {"x": x_NC, "weights": weights_NK, "idx": idx_NK, "w1": w1_EIC, "w3": w3_EIC, "w2": w2_ECI}
-    off = [n for n, t in tensors.items() if t.device.type != "cpu"]
-    if off:
-        raise ValueError(f"experts_fused runs on CPU tensors; {', '.join(off)} on {tensors[off[0]].device}")
-    if x_NC.dtype not in (torch.float32, torch.float64) or any(t.dtype != x_NC.dtype for t in (w1_EIC, w3_EIC, w2_ECI)):
-        raise ValueError("experts_fused takes float32 or float64 activations and weights of the same dtype; got "
-                         f"x {x_NC.dtype}, w1 {w1_EIC.dtype}, w3 {w3_EIC.dtype}, w2 {w2_ECI.dtype}")
+# ---- call-side checks shared with `moe_mxfp4_cpu.py` ----------------------------------------------------------
+# The C kernels trust their pointers and sizes: everything they rely on is checked (not asserted: `python -O`
+# must not turn a wrong call into a heap overflow). They run once per MoE layer per decode step, so the
+# common case costs a few attribute reads; messages are built only on failure.
+
+def check_call(name: str, x_NC, weights_NK, idx_NK, others: dict, hidden_act: str) -> None:
+    """Devices (all CPU), x float32/float64 [N, C], integer ids, a known activation."""
+    tensors = {"x": x_NC, "weights": weights_NK, "idx": idx_NK, **others}
+    if not all(t.is_cpu for t in tensors.values()):
+        off = [n for n, t in tensors.items() if not t.is_cpu]
+        raise ValueError(f"{name} runs on CPU tensors; {', '.join(off)} on {tensors[off[0]].device}")
+    if x_NC.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} takes float32 or float64 activations, got {x_NC.dtype}")
     if idx_NK.dtype.is_floating_point or idx_NK.dtype.is_complex or idx_NK.dtype == torch.bool:
         raise ValueError(f"expert ids must be integers, got {idx_NK.dtype}")
     if hidden_act not in ACTS:
-        raise ValueError(f"experts_fused: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
-    if x_NC.dim() != 2 or w1_EIC.dim() != 3:
-        raise ValueError(f"experts_fused: x must be [N, C] and w1 [E, I, C]; got {tuple(x_NC.shape)}, "
-                         f"{tuple(w1_EIC.shape)}")
-    (N, C), (E, I) = x_NC.shape, w1_EIC.shape[:2]
+        raise ValueError(f"{name}: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
+    if x_NC.dim() != 2:
+        raise ValueError(f"{name}: x must be [N, C]; got {tuple(x_NC.shape)}")
+
+
+def check_shapes(name: str, x_NC, weights_NK, idx_NK, want: dict) -> None:
+    """idx and weights [N, K]; each of `want` (name -> (tensor, shape)) exactly its shape."""
+    N, C = x_NC.shape
     K = idx_NK.shape[-1] if idx_NK.dim() == 2 else -1
-    want = {"idx": (N, K), "weights": (N, K), "w1": (E, I, C), "w3": (E, I, C), "w2": (E, C, I)}
-    bad = [f"{n} {tuple(tensors[n].shape)} (want {w})" for n, w in want.items() if tuple(tensors[n].shape) != w]
-    if K < 0 or bad:
-        raise ValueError(f"experts_fused: shapes do not fit x [N={N}, C={C}] and w1 [E={E}, I={I}, C]: "
+    want = {"idx": (idx_NK, (N, K)), "weights": (weights_NK, (N, K)), **want}
+    if K < 0 or any(t.shape != w for t, w in want.values()):
+        bad = [f"{n} {tuple(t.shape)} (want {w})" for n, (t, w) in want.items() if t.shape != w]
+        raise ValueError(f"{name}: shapes do not fit x [N={N}, C={C}]: "
                          + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
+
+
+def lean_inputs(x_NC, weights_NK, idx_NK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x contiguous, weights in x's dtype, ids int64, each copied only when it is not so already."""
+    x = x_NC if x_NC.is_contiguous() else x_NC.contiguous()
+    wts = weights_NK if weights_NK.dtype == x.dtype and weights_NK.is_contiguous() else \
+        weights_NK.to(x.dtype).contiguous()
+    idx = idx_NK if idx_NK.dtype == torch.int64 and idx_NK.is_contiguous() else idx_NK.to(torch.int64).contiguous()
+    return x, wts, idx
+
+
+def raise_for(rc: int, name: str, num_experts: int) -> None:
+    """The kernels' return codes: 0 ok, -1 a bad expert id, -2 no memory, -3 an E8M0 NaN scale (MXFP4)."""
+    if rc == -1:
+        raise ValueError(f"expert ids out of range [0, {num_experts}) in the routing")
+    if rc == -3:
+        raise ValueError("MXFP4 scale byte 255 (E8M0 NaN) in a routed expert; refusing to produce NaN weights")
+    if rc != 0:
+        raise MemoryError(f"{name}: the kernel could not allocate its buffers")
 
 
 experts_fused_op = opaque_op(

@@ -29,7 +29,7 @@ import torch
 
 from openk3.common import opaque_op
 from openk3.ops import cbuild
-from openk3.ops.moe_cpu import ACTS, C_COMMON
+from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, lean_inputs, raise_for
 
 _SOURCE = C_COMMON + r"""
 static const float E2M1_f32[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -239,70 +239,35 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     """`experts_loop` on the dequantised experts (`PackedExperts` buffers: w1/w3 packed [E, I, C/2] and
     scale [E, I, C/32], w2 packed [E, C, I/2] and scale [E, C, I/32], uint8), with the GLU given by its
     recipe, in one kernel call. Returns [N, C] in x's dtype. Bad inputs (and scale byte 255, E8M0 NaN,
-    in a used expert) raise ValueError; nothing unchecked reaches C.
-
-    Called once per MoE layer per decode step, so its Python is kept lean (~10 us): tensors already
-    contiguous and of the right dtype are passed as they are."""
+    in a used expert) raise ValueError; nothing unchecked reaches C."""
     bufs = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
-    E, I, C = _check(x_NC, weights_NK, idx_NK, bufs, hidden_act)
+    named = dict(zip(_NAMES, bufs, strict=True))
+    check_call("experts_mxfp4", x_NC, weights_NK, idx_NK, named, hidden_act)
+    if any(b.dtype != torch.uint8 for b in bufs):
+        bad = [f"{n} {b.dtype}" for n, b in named.items() if b.dtype != torch.uint8]
+        raise ValueError(f"experts_mxfp4: MXFP4 buffers must be uint8; got {', '.join(bad)}")
+    if w1_packed.dim() != 3:
+        raise ValueError(f"experts_mxfp4: w1_packed must be [E, I, C/2]; got {tuple(w1_packed.shape)}")
+    (N, C), (E, I) = x_NC.shape, w1_packed.shape[:2]
+    if C % 32 or I % 32:
+        raise ValueError(f"experts_mxfp4: C ({C}) and I ({I}) must be multiples of 32 (MXFP4 groups)")
+    up, up_s, down, down_s = (E, I, C // 2), (E, I, C // 32), (E, C, I // 2), (E, C, I // 32)
+    check_shapes("experts_mxfp4", x_NC, weights_NK, idx_NK,
+                 {n: (b, w) for (n, b), w in zip(named.items(), (up, up_s, up, up_s, down, down_s), strict=True)})
     lib = _lib()
     if lib is None:
         raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
-    x = x_NC if x_NC.is_contiguous() else x_NC.contiguous()
-    idx = idx_NK if idx_NK.dtype == torch.int64 and idx_NK.is_contiguous() else idx_NK.to(torch.int64).contiguous()
-    wts = weights_NK if weights_NK.dtype == x.dtype and weights_NK.is_contiguous() else \
-        weights_NK.to(x.dtype).contiguous()
+    x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
     bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
-    N, K = idx.shape
     out = x.new_empty((N, C))
     if N == 0:
         return out
     fn = lib.openk3_moe_mxfp4_f32 if x.dtype == torch.float32 else lib.openk3_moe_mxfp4_f64
-    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, K, C, bufs[0].data_ptr(), bufs[1].data_ptr(),
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, bufs[0].data_ptr(), bufs[1].data_ptr(),
             bufs[2].data_ptr(), bufs[3].data_ptr(), bufs[4].data_ptr(), bufs[5].data_ptr(), E, I,
             ACTS[hidden_act], beta, linear_beta, out.data_ptr())
-    if rc == -1:
-        raise ValueError(f"expert ids out of range [0, {E}) in the routing")
-    if rc == -3:
-        raise ValueError("MXFP4 scale byte 255 (E8M0 NaN) in a routed expert; refusing to produce NaN weights")
-    if rc != 0:
-        raise MemoryError("the MXFP4 MoE kernel could not allocate its buffers")
+    raise_for(rc, "experts_mxfp4", E)
     return out
-
-
-def _check(x_NC, weights_NK, idx_NK, bufs: tuple, hidden_act) -> tuple[int, int, int]:
-    """Everything the C kernel relies on (not asserted: `python -O` must not turn a wrong call into a heap
-    overflow). The common case costs a few attribute reads; messages are built only on failure. Returns
-    (E, I, C)."""
-    tensors = (x_NC, weights_NK, idx_NK, *bufs)
-    if not all(t.is_cpu for t in tensors):
-        off = [n for n, t in zip(("x", "weights", "idx", *_NAMES), tensors, strict=True) if not t.is_cpu]
-        raise ValueError(f"experts_mxfp4 runs on CPU tensors; {', '.join(off)} not on the CPU")
-    if x_NC.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"experts_mxfp4 takes float32 or float64 activations, got {x_NC.dtype}")
-    if any(b.dtype != torch.uint8 for b in bufs):
-        bad = [f"{n} {b.dtype}" for n, b in zip(_NAMES, bufs, strict=True) if b.dtype != torch.uint8]
-        raise ValueError(f"experts_mxfp4: MXFP4 buffers must be uint8; got {', '.join(bad)}")
-    if idx_NK.dtype.is_floating_point or idx_NK.dtype.is_complex or idx_NK.dtype == torch.bool:
-        raise ValueError(f"expert ids must be integers, got {idx_NK.dtype}")
-    if hidden_act not in ACTS:
-        raise ValueError(f"experts_mxfp4: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
-    if x_NC.dim() != 2 or bufs[0].dim() != 3:
-        raise ValueError(f"experts_mxfp4: x must be [N, C] and w1_packed [E, I, C/2]; got {tuple(x_NC.shape)}, "
-                         f"{tuple(bufs[0].shape)}")
-    (N, C), (E, I) = x_NC.shape, bufs[0].shape[:2]
-    if C % 32 or I % 32:
-        raise ValueError(f"experts_mxfp4: C ({C}) and I ({I}) must be multiples of 32 (MXFP4 groups)")
-    K = idx_NK.shape[-1] if idx_NK.dim() == 2 else -1
-    want = ((N, K), (N, K), (E, I, C // 2), (E, I, C // 32), (E, I, C // 2), (E, I, C // 32), (E, C, I // 2),
-            (E, C, I // 32))
-    have = (weights_NK.shape, idx_NK.shape, *(b.shape for b in bufs))
-    if K < 0 or any(h != w for h, w in zip(have, want, strict=True)):
-        bad = [f"{n} {tuple(h)} (want {w})" for n, h, w in zip(("weights", "idx", *_NAMES), have, want, strict=True)
-               if h != w]
-        raise ValueError(f"experts_mxfp4: shapes do not fit x [N={N}, C={C}] and w1_packed [E={E}, I={I}, C/2]: "
-                         + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
-    return E, I, C
 
 
 experts_mxfp4_op = opaque_op(
