@@ -51,8 +51,9 @@ class ShortConv(nn.Module):
 
 
 def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_JP: torch.Tensor) -> torch.Tensor:
-    """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t(), contiguous so that the
-    compiled step vectorises along P): silu(conv) [B, P] in fp32; shifts `history_BWP` in place (no autograd)."""
+    """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t(), contiguous): silu(conv) [B, P]
+    in fp32; shifts `history_BWP` in place (no autograd). Taps stored [J, P] let a compiled step vectorise along
+    P; read through a transposed [P, J] view they were strided loads that inductor left scalar."""
     full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
     out_BP = (full_BJP * upcast(w_JP)).sum(1)
     if history_BWP.shape[1]:
