@@ -63,6 +63,81 @@ static inline double glu_f64(double g, double u, int act, double b1, double b2) 
     double sig = 1.0 / (1.0 + exp(-g));
     return act == ACT_SILU ? g * sig * u : b1 * tanh(g / b1) * sig * (b2 * tanh(u / b2));
 }
+
+/* Dot products of weight rows with nl (1, 2 or 4) vectors in one pass over the rows: gate and up rows
+   (g[t] = r1 . v[t], u[t] = r3 . v[t]) or one down row (a[t] = r . v[t]). `dots_*` split any 1..4 vectors
+   into such groups (3 = 2 + 1): no lane computes a padded copy. */
+#define DEFINE_DOTS(T, SUF)                                                                          \
+static inline void dot_up_##SUF(const T *r1, const T *r3, const T *const *v, int nl, int64_t n,      \
+                                T *g, T *u) {                                                        \
+    if (nl == 4) {                                                                                  \
+        const T *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];                                     \
+        T g0 = 0, g1 = 0, g2 = 0, g3 = 0, u0 = 0, u1 = 0, u2 = 0, u3 = 0;                           \
+        _Pragma("omp simd reduction(+:g0,g1,g2,g3,u0,u1,u2,u3)")                                    \
+        for (int64_t c = 0; c < n; c++) {                                                           \
+            T a = r1[c], b = r3[c];                                                                 \
+            g0 += a * v0[c]; g1 += a * v1[c]; g2 += a * v2[c]; g3 += a * v3[c];                     \
+            u0 += b * v0[c]; u1 += b * v1[c]; u2 += b * v2[c]; u3 += b * v3[c];                     \
+        }                                                                                           \
+        g[0] = g0; g[1] = g1; g[2] = g2; g[3] = g3; u[0] = u0; u[1] = u1; u[2] = u2; u[3] = u3;     \
+    } else if (nl == 2) {                                                                           \
+        const T *v0 = v[0], *v1 = v[1];                                                             \
+        T g0 = 0, g1 = 0, u0 = 0, u1 = 0;                                                           \
+        _Pragma("omp simd reduction(+:g0,g1,u0,u1)")                                                \
+        for (int64_t c = 0; c < n; c++) {                                                           \
+            T a = r1[c], b = r3[c];                                                                 \
+            g0 += a * v0[c]; g1 += a * v1[c]; u0 += b * v0[c]; u1 += b * v1[c];                     \
+        }                                                                                           \
+        g[0] = g0; g[1] = g1; u[0] = u0; u[1] = u1;                                                 \
+    } else {                                                                                        \
+        const T *v0 = v[0];                                                                         \
+        T g0 = 0, u0 = 0;                                                                           \
+        _Pragma("omp simd reduction(+:g0,u0)")                                                      \
+        for (int64_t c = 0; c < n; c++) { g0 += r1[c] * v0[c]; u0 += r3[c] * v0[c]; }               \
+        g[0] = g0; u[0] = u0;                                                                       \
+    }                                                                                               \
+}                                                                                                   \
+static inline void dot_down_##SUF(const T *r, const T *const *v, int nl, int64_t n, T *a) {          \
+    if (nl == 4) {                                                                                  \
+        const T *v0 = v[0], *v1 = v[1], *v2 = v[2], *v3 = v[3];                                     \
+        T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                           \
+        _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                                \
+        for (int64_t i = 0; i < n; i++) {                                                           \
+            T w = r[i];                                                                             \
+            a0 += w * v0[i]; a1 += w * v1[i]; a2 += w * v2[i]; a3 += w * v3[i];                     \
+        }                                                                                           \
+        a[0] = a0; a[1] = a1; a[2] = a2; a[3] = a3;                                                 \
+    } else if (nl == 2) {                                                                           \
+        const T *v0 = v[0], *v1 = v[1];                                                             \
+        T a0 = 0, a1 = 0;                                                                           \
+        _Pragma("omp simd reduction(+:a0,a1)")                                                      \
+        for (int64_t i = 0; i < n; i++) { a0 += r[i] * v0[i]; a1 += r[i] * v1[i]; }                 \
+        a[0] = a0; a[1] = a1;                                                                       \
+    } else {                                                                                        \
+        const T *v0 = v[0];                                                                         \
+        T a0 = 0;                                                                                   \
+        _Pragma("omp simd reduction(+:a0)")                                                         \
+        for (int64_t i = 0; i < n; i++) a0 += r[i] * v0[i];                                         \
+        a[0] = a0;                                                                                  \
+    }                                                                                               \
+}                                                                                                   \
+static inline void dots_up_##SUF(const T *r1, const T *r3, const T *const *v, int nb, int64_t n,     \
+                                 T *g, T *u) {                                                       \
+    for (int t = 0; t < nb;) {                                                                      \
+        int nl = nb - t >= 4 ? 4 : nb - t >= 2 ? 2 : 1;                                             \
+        dot_up_##SUF(r1, r3, v + t, nl, n, g + t, u + t);                                           \
+        t += nl;                                                                                    \
+    }                                                                                               \
+}                                                                                                   \
+static inline void dots_down_##SUF(const T *r, const T *const *v, int nb, int64_t n, T *a) {         \
+    for (int t = 0; t < nb;) {                                                                      \
+        int nl = nb - t >= 4 ? 4 : nb - t >= 2 ? 2 : 1;                                             \
+        dot_down_##SUF(r, v + t, nl, n, a + t);                                                     \
+        t += nl;                                                                                    \
+    }                                                                                               \
+}
+DEFINE_DOTS(float, f32)
+DEFINE_DOTS(double, f64)
 """
 
 _SOURCE = C_COMMON + r"""
@@ -90,7 +165,7 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
         const int64_t row_up = C * (int64_t)sizeof(T), row_down = I * (int64_t)sizeof(T);          \
         for (int64_t p = start[e]; p < start[e + 1]; p += 4) {                                      \
             int nb = (int)(start[e + 1] - p < 4 ? start[e + 1] - p : 4);                            \
-            const T *xr[4]; T *orow[4]; T wt[4]; T *hr[4];                                          \
+            const T *xr[4]; T *orow[4]; T wt[4]; T *hr[4]; /* lanes past nb are never read */      \
             for (int t = 0; t < 4; t++) {                                                           \
                 int64_t m = order[p + (t < nb ? t : 0)];                                            \
                 xr[t] = x + (m / K) * C; orow[t] = out + (m / K) * C; wt[t] = wts[m];               \
@@ -100,28 +175,16 @@ int openk3_moe_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, in
                 const T *r1 = w1 + (e * I + i) * C, *r3 = w3 + (e * I + i) * C;                     \
                 if (pf && p == start[e]) for (int64_t b = 0; b < row_up; b += 64) {                 \
                     __builtin_prefetch(n1 + i * row_up + b, 0, 1); __builtin_prefetch(n3 + i * row_up + b, 0, 1); } \
-                T g0 = 0, g1 = 0, g2 = 0, g3 = 0, u0 = 0, u1 = 0, u2 = 0, u3 = 0;                   \
-                _Pragma("omp simd reduction(+:g0,g1,g2,g3,u0,u1,u2,u3)")                            \
-                for (int64_t c = 0; c < C; c++) {                                                   \
-                    T a = r1[c], b = r3[c];                                                         \
-                    g0 += a * xr[0][c]; g1 += a * xr[1][c]; g2 += a * xr[2][c]; g3 += a * xr[3][c]; \
-                    u0 += b * xr[0][c]; u1 += b * xr[1][c]; u2 += b * xr[2][c]; u3 += b * xr[3][c]; \
-                }                                                                                   \
-                T g[4] = {g0, g1, g2, g3}, u[4] = {u0, u1, u2, u3};                                 \
-                for (int t = 0; t < 4; t++) /* padded lanes too: the down pass reads all four */    \
-                    hr[t][i] = glu_##SUF(g[t], u[t], act, b1, b2);                                  \
+                T g[4], u[4];                                                                       \
+                dots_up_##SUF(r1, r3, xr, nb, C, g, u);                                             \
+                for (int t = 0; t < nb; t++) hr[t][i] = glu_##SUF(g[t], u[t], act, b1, b2);         \
             }                                                                                       \
             for (int64_t c = 0; c < C; c++) {                                                       \
                 const T *r = w2 + (e * C + c) * I;                                                  \
                 if (pf && p == start[e]) for (int64_t b = 0; b < row_down; b += 64)                 \
                     __builtin_prefetch(n2 + c * row_down + b, 0, 1);                                \
-                T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                                   \
-                _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                        \
-                for (int64_t i = 0; i < I; i++) {                                                   \
-                    T w = r[i];                                                                     \
-                    a0 += w * hr[0][i]; a1 += w * hr[1][i]; a2 += w * hr[2][i]; a3 += w * hr[3][i]; \
-                }                                                                                   \
-                T a[4] = {a0, a1, a2, a3};                                                          \
+                T a[4];                                                                             \
+                dots_down_##SUF(r, (const T *const *)hr, nb, I, a);                                 \
                 for (int t = 0; t < nb; t++) orow[t][c] += wt[t] * a[t];                            \
             }                                                                                       \
         }                                                                                           \

@@ -126,26 +126,12 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
                 if (first) {                                                                        \
                     prefetch_##SUF(p1 + nrow * pc, pc); prefetch_##SUF(p3 + nrow * pc, pc);         \
                     prefetch_##SUF(s1 + nrow * sc, sc); prefetch_##SUF(s3 + nrow * sc, sc); }       \
-                if (nq == 1) { /* decode: one token (no padded lanes) */                            \
-                    const T *x0 = x + (order[q0] / K) * C;                                          \
-                    T g0 = 0, u0 = 0;                                                               \
-                    _Pragma("omp simd reduction(+:g0,u0)")                                          \
-                    for (int64_t c = 0; c < C; c++) { g0 += r1[c] * x0[c]; u0 += r3[c] * x0[c]; }   \
-                    h[i] = glu_##SUF(g0, u0, act, b1, b2);                                          \
-                    continue;                                                                       \
-                }                                                                                   \
                 for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
                     int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
                     const T *xr[4];                                                                 \
-                    for (int t = 0; t < 4; t++) xr[t] = x + (order[q0 + t0 + (t < nb ? t : 0)] / K) * C; \
-                    T g0 = 0, g1 = 0, g2 = 0, g3 = 0, u0 = 0, u1 = 0, u2 = 0, u3 = 0;               \
-                    _Pragma("omp simd reduction(+:g0,g1,g2,g3,u0,u1,u2,u3)")                        \
-                    for (int64_t c = 0; c < C; c++) {                                               \
-                        T a = r1[c], b = r3[c];                                                     \
-                        g0 += a * xr[0][c]; g1 += a * xr[1][c]; g2 += a * xr[2][c]; g3 += a * xr[3][c]; \
-                        u0 += b * xr[0][c]; u1 += b * xr[1][c]; u2 += b * xr[2][c]; u3 += b * xr[3][c]; \
-                    }                                                                               \
-                    T g[4] = {g0, g1, g2, g3}, u[4] = {u0, u1, u2, u3};                             \
+                    T g[4], u[4];                                                                   \
+                    for (int t = 0; t < nb; t++) xr[t] = x + (order[q0 + t0 + t] / K) * C;          \
+                    dots_up_##SUF(r1, r3, xr, nb, C, g, u);                                         \
                     for (int t = 0; t < nb; t++) h[(t0 + t) * I + i] = glu_##SUF(g[t], u[t], act, b1, b2); \
                 }                                                                                   \
             }                                                                                       \
@@ -176,14 +162,9 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
                 for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
                     int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
                     const T *hr[4];                                                                 \
-                    for (int t = 0; t < 4; t++) hr[t] = h + (t0 + (t < nb ? t : 0)) * I;            \
-                    T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                               \
-                    _Pragma("omp simd reduction(+:a0,a1,a2,a3)")                                    \
-                    for (int64_t i = 0; i < I; i++) {                                               \
-                        T w = r2[i];                                                                \
-                        a0 += w * hr[0][i]; a1 += w * hr[1][i]; a2 += w * hr[2][i]; a3 += w * hr[3][i]; \
-                    }                                                                               \
-                    T a[4] = {a0, a1, a2, a3};                                                      \
+                    T a[4];                                                                         \
+                    for (int t = 0; t < nb; t++) hr[t] = h + (t0 + t) * I;                          \
+                    dots_down_##SUF(r2, hr, nb, I, a);                                              \
                     for (int t = 0; t < nb; t++) {                                                  \
                         int64_t m = order[q0 + t0 + t];                                             \
                         out[(m / K) * C + c] += wts[m] * a[t];                                      \
