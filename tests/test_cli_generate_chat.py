@@ -67,6 +67,18 @@ def test_generate_streams_one_prompt(capsys, ckpt, llm):
     assert "[generate] 1 prompt(s), 8 tokens" in err and "finish: length" in err
 
 
+def test_generate_keep_packed(capsys, tmp_path):
+    """`--keep-packed` on an MXFP4 checkpoint: the experts stay packed and generation runs."""
+    path = tmp_path / "mx"
+    openk3.save(openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0), path, experts_format="mxfp4",
+                dtype=torch.float32)
+    Tokenizer({bytes([b]): b for b in range(256)}).save(str(path))
+    outs = [run(capsys, "generate", "--model", str(path), "--prompt", "Hi", "--max-tokens", "4", "--temperature",
+                "0", "--ignore-eos", *flag) for flag in ([], ["--keep-packed"])]
+    assert [code for code, _, _ in outs] == [0, 0]
+    assert outs[0][1] == outs[1][1]  # the same greedy text, packed or unpacked
+
+
 def test_generate_batch_json_and_prompts_file(capsys, tmp_path, ckpt, llm):
     prompts = ["Hello", "abc", "xyz"]
     file = tmp_path / "prompts.txt"

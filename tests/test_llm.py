@@ -126,6 +126,28 @@ def test_in_memory_model_and_checks(llm):
         resolve_dtype("fp8")
 
 
+def test_keep_packed_loads_mxfp4_experts_packed_and_decodes(tmp_path):
+    """`LLM(path, keep_packed=True)` on an MXFP4 checkpoint keeps the experts packed (what the release
+    ships), decodes through the MXFP4 kernel, and its greedy tokens are the argmax of full forwards; an
+    in-memory model is refused (nothing to keep)."""
+    from openk3.quant import PackedExperts
+
+    path = tmp_path / "mx"
+    openk3.save(openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0), path, experts_format="mxfp4",
+                dtype=torch.float32)
+    byte_tokenizer().save(str(path))
+    packed = LLM(path, keep_packed=True)
+    assert any(isinstance(m, PackedExperts) for m in packed.model.modules())
+    plain = LLM(path)
+    assert not any(isinstance(m, PackedExperts) for m in plain.model.modules())
+    ids = packed.tokenizer.encode("Hello")
+    (a,) = packed.generate(ids, max_tokens=6, temperature=0, ignore_eos=True)
+    assert a.token_ids == full_forward_greedy(packed.model, ids, 6)
+    assert a.token_ids == plain.generate(ids, max_tokens=6, temperature=0, ignore_eos=True)[0].token_ids
+    with pytest.raises(ValueError, match="keep_packed applies to a checkpoint path"):
+        LLM(plain.model, keep_packed=True)
+
+
 # ---- generate ------------------------------------------------------------------------------------
 
 def test_greedy_text_and_ids_match_full_forwards(llm):

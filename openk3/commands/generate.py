@@ -18,7 +18,8 @@ import sys
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
-    """--model, --tokenizer, --dtype, --device, --max-model-len, --threads, --compile (shared with `openk3 chat`)."""
+    """--model, --tokenizer, --dtype, --device, --max-model-len, --threads, --compile, --keep-packed (shared with
+    `openk3 chat`)."""
     p.add_argument("--model", "-m", required=True, metavar="DIR",
                    help="checkpoint folder, or a training run folder (its checkpoints/latest is used)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -32,6 +33,8 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (torch.compile; ~30 s once, then several times fewer ms/token)")
+    p.add_argument("--keep-packed", action="store_true",
+                   help="keep MXFP4 experts packed in memory (4.25 bits/weight; decode reads them directly)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -76,7 +79,7 @@ def build_llm(args: argparse.Namespace):
 
     setup_cpu(args.threads)
     return LLM(args.model, args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               compile=args.compile)
+               compile=args.compile, keep_packed=args.keep_packed)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -143,14 +143,20 @@ class LLM:
         device: where the weights go; None = "cpu" for a path, and leaves an in-memory model where it is.
         max_num_seqs, max_model_len, prefill_chunk, compile: the engine's (see `Engine`; `compile=True`
             compiles the decode step at the first generation: slower start, much faster tokens).
+        keep_packed: a checkpoint's MXFP4 experts stay packed in memory (4.25 bits/weight, as the release
+            ships them) and decode through the MXFP4 CPU kernel (float32 trunk; other dtypes dequantise each
+            touched expert); no effect on float experts.
     """
 
     def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
-                 prefill_chunk: int = 512, compile: bool = False) -> None:
+                 prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False) -> None:
         dtype = resolve_dtype(dtype)
         self.path: Path | None = None
         if isinstance(path_or_model, torch.nn.Module):
+            if keep_packed:
+                raise ValueError("keep_packed applies to a checkpoint path; pack an in-memory model's experts with "
+                                 "openk3.quant.pack_model_experts_(model)")
             model = path_or_model
             if dtype is not None:
                 model = model.cast(dtype) if hasattr(model, "cast") else model.to(dtype)
@@ -162,7 +168,7 @@ class LLM:
                 tokenizer = _load_tokenizer(self.path, "this checkpoint has no tokenizer files; ")
             from openk3.checkpoint import load
 
-            model = load(self.path, dtype=dtype, device=device or "cpu")
+            model = load(self.path, dtype=dtype, device=device or "cpu", keep_packed=keep_packed)
         else:
             raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")
         if isinstance(tokenizer, (str, os.PathLike)):
