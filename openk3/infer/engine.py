@@ -205,8 +205,9 @@ class Engine:
         logits_nV = logits_nV.float()
         simple = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.repetition_penalty == 1.0]
         toks: list[int | None] = [None] * len(reqs)
-        if simple:
-            best = logits_nV[simple].argmax(-1).tolist()
+        if simple:  # all rows greedy (the common case): no gathered copy of their logits
+            rows = logits_nV if len(simple) == len(reqs) else logits_nV[simple]
+            best = rows.argmax(-1).tolist()
             for i, t in zip(simple, best, strict=True):
                 toks[i] = t
         for i, r in enumerate(reqs):
