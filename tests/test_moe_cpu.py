@@ -14,7 +14,7 @@ from test_ops_moe import CASES, GLUS, _inputs
 
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
-from openk3.ops import moe_cpu
+from openk3.ops import cbuild, moe_cpu
 from openk3.ops.kda import kda_step, kda_step_fused_
 from openk3.ops.moe import experts_loop
 
@@ -262,3 +262,97 @@ def test_kernel_yields_to_torch_matmuls(limit, over, threads, monkeypatch):
     assert kernel_calls(32 * 128, 6 * 32 * 128, 1) > 0
     bounds = {"FUSED_MAX_EXPERT": 32 * 128, "FUSED_MAX_WORK": 6 * 32 * 128, limit: over}
     assert kernel_calls(bounds["FUSED_MAX_EXPERT"], bounds["FUSED_MAX_WORK"], threads) == 0
+
+
+# ---- review fixes: call-side checks and the build cache -----------------------------------------------------
+
+@needs_cc
+@pytest.mark.parametrize("case", ["complex_weights", "sparse_weights", "sparse_x", "nested_x", "idx_1d"])
+def test_more_inputs_the_kernel_cannot_take_are_named_value_errors(case):
+    """Complex routing weights (their imaginary part would be dropped), layouts without a flat buffer behind
+    data_ptr() (sparse, nested), and ids that are not [N, K] are ValueErrors naming the argument."""
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", torch.float32, widths=(8, 12))
+    args = dict(x=x.detach(), weights=weights.detach(), idx=idx, w1=w1.detach(), w3=w3.detach(), w2=w2.detach())
+    want = {"complex_weights": "weights must be real", "sparse_weights": r"weights \(torch.sparse_coo\)",
+            "sparse_x": r"x \(torch.sparse_coo\)", "nested_x": r"x \(nested\)",
+            "idx_1d": r"idx \(13,\) is not \[N, K\]"}
+    if case == "complex_weights":
+        args["weights"] = args["weights"].to(torch.complex64)
+    elif case == "sparse_weights":
+        args["weights"] = args["weights"].to_sparse()
+    elif case == "sparse_x":
+        args["x"] = args["x"].to_sparse()
+    elif case == "nested_x":
+        args["x"] = torch.nested.nested_tensor(list(args["x"]))
+    elif case == "idx_1d":
+        args["idx"] = args["idx"][:, 0]
+    with pytest.raises(ValueError, match=want[case]):
+        moe_cpu.experts_fused(*args.values(), "silu", 4.0, 25.0)
+
+
+@needs_cc
+def test_negated_views_are_read_as_their_values():
+    """`z.conj().imag` is a view with the neg bit: data_ptr() holds the unnegated values, and at [1, 1] it is
+    even contiguous. The kernel must see -1, not +1 (it used to read +1: a silent sign flip)."""
+    (x, weights, w1, w3, w2), idx = _inputs("N1-uniform", F64)
+    args = [x.detach(), None, idx[:, :1], w1.detach(), w3.detach(), w2.detach()]
+    neg = torch.complex(torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64)).conj().imag
+    assert neg.is_neg() and neg.is_contiguous()
+    args[1] = -torch.ones(1, 1, dtype=F64)
+    ref = moe_cpu.experts_fused(*args, "silu", 4.0, 25.0)
+    args[1] = neg
+    assert torch.equal(moe_cpu.experts_fused(*args, "silu", 4.0, 25.0), ref)
+    args[1], args[3] = -torch.ones(1, 1, dtype=F64), torch._neg_view(-w1.detach())  # a negated weight view too
+    assert args[3].is_neg() and torch.equal(moe_cpu.experts_fused(*args, "silu", 4.0, 25.0), ref)
+
+
+def _fallback_only(monkeypatch, tmp_path):
+    """Make the configured cache unusable (its path lies under a file) and the temporary directory tmp_path."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("OPENK3_KERNEL_CACHE", str(tmp_path / "file" / "cache"))
+    monkeypatch.setattr(cbuild.tempfile, "tempdir", str(tmp_path))
+    return tmp_path / f"openk3-kernels-{os.getuid()}"
+
+
+def test_temporary_fallback_cache_is_private(monkeypatch, tmp_path):
+    fallback = _fallback_only(monkeypatch, tmp_path)
+    assert cbuild.cache_dir() == str(fallback)
+    assert fallback.stat().st_mode & 0o077 == 0  # created 0700
+    assert cbuild.cache_dir() == str(fallback)  # reused
+
+
+@pytest.mark.parametrize("kind", ["world_writable", "symlink"])
+def test_temporary_fallback_cache_others_could_write_is_refused(monkeypatch, tmp_path, kind):
+    """The fallback's name is predictable: a directory planted there (writable by others, or a link to one)
+    would let another user plant a library this process loads. It is refused, not used."""
+    fallback = _fallback_only(monkeypatch, tmp_path)
+    if kind == "world_writable":
+        fallback.mkdir()
+        fallback.chmod(0o777)
+    else:
+        (tmp_path / "elsewhere").mkdir(mode=0o700)
+        fallback.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RuntimeError, match="not a private directory"):
+        cbuild.cache_dir()
+
+
+@needs_cc
+def test_build_writes_source_and_library_in_a_private_directory(fresh_kernel, monkeypatch):
+    """Nothing is written under a name another user of a shared cache could guess or pre-plant: the
+    compiler's input and output live in a fresh 0700 directory, removed afterwards."""
+    seen = []
+    real = cbuild.subprocess.run
+
+    def spy(cmd, *a, **kw):
+        if "-o" in cmd:
+            src, out = cmd[-4], cmd[cmd.index("-o") + 1]
+            seen.append((os.path.dirname(src), os.path.dirname(out), os.stat(os.path.dirname(src)).st_mode))
+        return real(cmd, *a, **kw)
+
+    monkeypatch.setattr(cbuild.subprocess, "run", spy)
+    lib = cbuild.build("probe", "int openk3_probe(void) { return 7; }\n")
+    assert lib.openk3_probe() == 7
+    (work, out_dir, mode), = seen
+    assert work == out_dir and os.path.dirname(work) == str(fresh_kernel) and mode & 0o077 == 0
+    assert not os.path.exists(work)
+    assert [f for f in os.listdir(fresh_kernel) if not f.startswith("probe_")] == []

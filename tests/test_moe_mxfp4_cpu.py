@@ -167,3 +167,94 @@ def test_compiled_decode_of_packed_experts_without_the_kernel_is_refused(monkeyp
     finally:
         monkeypatch.delenv("OPENK3_NO_KERNELS")
         moe_mxfp4_cpu._lib.cache_clear()
+
+
+# ---- review additions: edges the C harness covered, kept as cheap regressions -------------------------------
+
+def _raw(E, I, C, N, K, gen, scale_bytes=(118, 126)):
+    """Random MXFP4 buffers (any codes, scale bytes drawn from `scale_bytes` as a range or a tuple of values)."""
+    def scales(*shape):
+        if isinstance(scale_bytes, range):
+            return torch.randint(scale_bytes.start, scale_bytes.stop, shape, generator=gen, dtype=torch.uint8)
+        pick = torch.tensor(scale_bytes, dtype=torch.uint8)
+        return pick[torch.randint(0, len(scale_bytes), shape, generator=gen)]
+
+    bufs = [torch.randint(0, 256, (E, I, C // 2), generator=gen, dtype=torch.uint8), scales(E, I, C // 32),
+            torch.randint(0, 256, (E, I, C // 2), generator=gen, dtype=torch.uint8), scales(E, I, C // 32),
+            torch.randint(0, 256, (E, C, I // 2), generator=gen, dtype=torch.uint8), scales(E, C, I // 32)]
+    x = torch.randn(N, C, generator=gen, dtype=F64)
+    return x, torch.rand(N, K, generator=gen, dtype=F64), bufs
+
+
+@needs_cc
+@pytest.mark.parametrize("N,C,I,E,hot,scales", [
+    (64, 32, 32, 5, 2, range(118, 126)),  # exactly one 64-token chunk
+    (65, 32, 32, 5, 2, range(118, 126)),  # 64 + a one-token chunk (the decode path inside a prefill)
+    (1, 3584, 32, 4, None, range(118, 126)),  # wide C, narrow I, one token
+    (5, 64, 64, 6, None, (0, 1, 120, 254)),  # E8M0 extremes: 2^-127 .. 2^127, exact in float64
+])
+def test_mxfp4_kernel_edges_float64(kernel, N, C, I, E, hot, scales):
+    gen = torch.Generator().manual_seed(N + C)
+    x, weights, bufs = _raw(E, I, C, N, 2, gen, scales)
+    idx = torch.randint(0, E, (N, 2), generator=gen)
+    if hot is not None:
+        idx[:, 0] = hot
+    idx[0, 1] = idx[0, 0]  # one token picks the same expert twice
+    deq = [unpack(bufs[2 * j], bufs[2 * j + 1], F64) for j in range(3)]
+    ref = experts_loop(x, weights, idx, *deq, GLUS["situ"])
+    assert_close(f"N{N} C{C} I{I}", ref, moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"]), 1e-12)
+
+
+@needs_cc
+def test_mxfp4_nan_scale_only_matters_in_a_routed_expert(kernel):
+    gen = torch.Generator().manual_seed(5)
+    x, weights, bufs = _raw(4, 32, 64, 3, 2, gen)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    bufs[5][3, 7, 0] = 255  # expert 3 is never routed: not read, not an error
+    bufs[1][3, 0, 1] = 255
+    deq = [unpack(bufs[2 * j][:3], bufs[2 * j + 1][:3], F64) for j in range(3)]
+    assert_close("unused NaN", experts_loop(x, weights, idx, *deq, GLUS["swiglu"]),
+                 moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["swiglu"]), 1e-12)
+    bufs[5][1, 63, 0] = 255  # the last down row of a routed expert
+    with pytest.raises(ValueError, match="scale byte 255"):
+        moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["swiglu"])
+    with pytest.raises(ValueError, match="out of range"):
+        moe_mxfp4_cpu.experts_mxfp4(x, weights, idx - 1, *bufs, *ACTS["swiglu"])  # id -1
+
+
+@needs_cc
+def test_mxfp4_kernel_reads_negated_views_and_noncontiguous_buffers():
+    """A neg-bit view (data_ptr() holds the unnegated values) and transposed buffers are materialised."""
+    gen = torch.Generator().manual_seed(6)
+    x, weights, bufs = _raw(3, 32, 64, 1, 2, gen)
+    idx = torch.tensor([[2, 0]])
+    ref = moe_mxfp4_cpu.experts_mxfp4(-x, weights, idx, *bufs, *ACTS["situ"])
+    xn = torch._neg_view(x)
+    assert xn.is_neg() and xn.is_contiguous()
+    assert torch.equal(moe_mxfp4_cpu.experts_mxfp4(xn, weights, idx, *bufs, *ACTS["situ"]), ref)
+    t = bufs[0].transpose(1, 2).contiguous().transpose(1, 2)  # the same values, column-major
+    assert not t.is_contiguous()
+    assert torch.equal(moe_mxfp4_cpu.experts_mxfp4(-x, weights, idx, t, *bufs[1:], *ACTS["situ"]), ref)
+
+
+@needs_cc
+def test_mxfp4_bad_buffers_are_named():
+    gen = torch.Generator().manual_seed(7)
+    x, weights, bufs = _raw(3, 32, 64, 2, 2, gen)
+    idx = torch.tensor([[0, 1], [1, 2]])
+    call = moe_mxfp4_cpu.experts_mxfp4
+    with pytest.raises(ValueError, match=r"w2_scale on meta"):
+        call(x, weights, idx, *bufs[:5], bufs[5].to("meta"), *ACTS["situ"])
+    with pytest.raises(ValueError, match=r"w1_scale \(3, 32, 1\)"):
+        call(x, weights, idx, bufs[0], bufs[1][:, :, :1], *bufs[2:], *ACTS["situ"])
+    with pytest.raises(ValueError, match=r"w3_packed torch.int8"):
+        call(x, weights, idx, *bufs[:2], bufs[2].to(torch.int8), *bufs[3:], *ACTS["situ"])
+    with pytest.raises(ValueError, match=r"w2_packed \(3, 16, 64\)"):
+        call(x, weights, idx, *bufs[:4], bufs[4].transpose(1, 2), bufs[5], *ACTS["situ"])
+    with pytest.raises(ValueError, match="weights must be real"):
+        call(x, weights.to(torch.complex128), idx, *bufs, *ACTS["situ"])
+    with pytest.raises(ValueError, match=r"w1_packed \(torch.sparse_coo\)"):
+        call(x, weights, idx, bufs[0].to_sparse(), *bufs[1:], *ACTS["situ"])
+    assert call(x, weights, idx.int(), *bufs, *ACTS["situ"]).shape == (2, 64)  # int32 ids are converted
+    out = call(x, weights[:, :0], idx[:, :0], *[b[:0] for b in bufs], *ACTS["situ"])  # E = 0, K = 0
+    assert torch.equal(out, torch.zeros(2, 64, dtype=F64))

@@ -5,7 +5,9 @@ else `cc`; `$CC` may carry arguments) at `-O3 -march=native`, so they fit the ma
 Each library is cached in `$OPENK3_KERNEL_CACHE` (else `$XDG_CACHE_HOME/openk3/kernels`, else
 `~/.cache/openk3/kernels`, else one fixed directory per user under the temporary directory) under a key
 of source + flags + compiler version + architecture + CPU flags: a library built for one CPU is never
-loaded on another. Writes are atomic (temp + rename), and a library that does not load is never cached.
+loaded on another. Writes are atomic (built in a private temporary directory, then renamed), and a
+library that does not load is never cached. The temporary-directory fallback is used only when it is a
+private directory of this user.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 
@@ -24,17 +27,28 @@ import tempfile
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
 
 
+def _private(path: str) -> bool:
+    """A real directory (not a link) owned by this user that no one else may write to."""
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+
+
 def cache_dir() -> str:
     path = os.environ.get("OPENK3_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "openk3", "kernels")
-    for candidate in (path, os.path.join(tempfile.gettempdir(), f"openk3-kernels-{os.getuid()}")):
-        try:  # the fallback is one fixed directory per user, not a new one per process
-            os.makedirs(candidate, exist_ok=True)
-            if os.access(candidate, os.W_OK):
+    # The fallback is one fixed directory per user, not a new one per process. Its name is predictable in a
+    # shared temporary directory, so it is used only if it is ours and private: anyone who could write there
+    # could plant a library this process would load.
+    fallback = os.path.join(tempfile.gettempdir(), f"openk3-kernels-{os.getuid()}")
+    for candidate, private in ((path, False), (fallback, True)):
+        try:
+            os.makedirs(candidate, mode=0o700 if private else 0o777, exist_ok=True)
+            if (not private or _private(candidate)) and os.access(candidate, os.W_OK):
                 return candidate
         except OSError:
             pass
-    raise RuntimeError(f"no writable kernel cache directory ({path} and the temporary directory are not)")
+    raise RuntimeError(f"no writable kernel cache directory ({path} is not; {fallback} is not, or is not "
+                       "a private directory of this user)")
 
 
 def machine_key(source: str, flags: list[str], cc: list[str]) -> str:
@@ -64,10 +78,12 @@ def build(prefix: str, source: str, flags: list[str] | None = None) -> ctypes.CD
     out_dir = cache_dir()
     lib_path = os.path.join(out_dir, f"{prefix}_{key}.so")
     if not os.path.exists(lib_path):
-        fd, tmp_so = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        src = tmp_so[:-3] + ".c"
+        # Source and library are written in a fresh private directory (mkdtemp: 0700, a unique name), not
+        # beside the cache's files: in a shared cache, a name derived from a temporary one could be
+        # planted (e.g. as a link) by another user between its creation and our write.
+        work = tempfile.mkdtemp(prefix=f".{prefix}-build-", dir=out_dir)
         try:
+            src, tmp_so = os.path.join(work, "kernel.c"), os.path.join(work, "kernel.so")
             with open(src, "w") as fh:
                 fh.write(source)
             res = subprocess.run([*cc, *flags, src, "-o", tmp_so, "-lm"], capture_output=True, text=True,
@@ -77,12 +93,10 @@ def build(prefix: str, source: str, flags: list[str] | None = None) -> ctypes.CD
             ctypes.CDLL(tmp_so)  # a compiler that "succeeds" without a loadable library must not be cached
             umask = os.umask(0)
             os.umask(umask)
-            os.chmod(tmp_so, 0o755 & ~umask)  # mkstemp made it 0600: others sharing the cache could not load it
+            os.chmod(tmp_so, 0o755 & ~umask)  # others sharing the cache may load it
             os.replace(tmp_so, lib_path)  # atomic: a concurrent builder sees the old or the complete file
         finally:
-            for path in (src, tmp_so):
-                if os.path.exists(path):
-                    os.unlink(path)
+            shutil.rmtree(work, ignore_errors=True)
     return ctypes.CDLL(lib_path)
 
 

@@ -258,7 +258,7 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if lib is None:
         raise RuntimeError("the fused CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    w1, w3, w2 = (w if w.is_contiguous() else w.contiguous() for w in weights)
+    w1, w3, w2 = (dense(w) for w in weights)
     out = x.new_empty((N, C))
     if N == 0:
         return out
@@ -280,10 +280,17 @@ def check_call(name: str, x_NC, weights_NK, idx_NK, others: dict, hidden_act: st
     if not all(t.is_cpu for t in tensors.values()):
         off = [n for n, t in tensors.items() if not t.is_cpu]
         raise ValueError(f"{name} runs on CPU tensors; {', '.join(off)} on {tensors[off[0]].device}")
+    if not all(t.layout == torch.strided and not t.is_nested for t in tensors.values()):
+        # sparse, mkldnn or nested: no flat buffer behind data_ptr()
+        off = [f"{n} ({'nested' if t.is_nested else t.layout})" for n, t in tensors.items()
+               if t.layout != torch.strided or t.is_nested]
+        raise ValueError(f"{name} takes dense strided tensors; got {', '.join(off)}")
     if x_NC.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"{name} takes float32 or float64 activations, got {x_NC.dtype}")
     if idx_NK.dtype.is_floating_point or idx_NK.dtype.is_complex or idx_NK.dtype == torch.bool:
-        raise ValueError(f"expert ids must be integers, got {idx_NK.dtype}")
+        raise ValueError(f"{name}: expert ids (idx) must be integers, got {idx_NK.dtype}")
+    if weights_NK.dtype.is_complex:  # .to(x.dtype) would drop the imaginary part
+        raise ValueError(f"{name}: routing weights must be real, got {weights_NK.dtype}")
     if hidden_act not in ACTS:
         raise ValueError(f"{name}: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
     if x_NC.dim() != 2:
@@ -295,19 +302,26 @@ def check_shapes(name: str, x_NC, weights_NK, idx_NK, want: dict) -> None:
     N, C = x_NC.shape
     K = idx_NK.shape[-1] if idx_NK.dim() == 2 else -1
     want = {"idx": (idx_NK, (N, K)), "weights": (weights_NK, (N, K)), **want}
-    if K < 0 or any(t.shape != w for t, w in want.values()):
+    if K < 0:
+        raise ValueError(f"{name}: shapes do not fit x [N={N}, C={C}]: idx {tuple(idx_NK.shape)} is not [N, K]")
+    if any(t.shape != w for t, w in want.values()):
         bad = [f"{n} {tuple(t.shape)} (want {w})" for n, (t, w) in want.items() if t.shape != w]
-        raise ValueError(f"{name}: shapes do not fit x [N={N}, C={C}]: "
-                         + ", ".join(bad or [f"idx {tuple(idx_NK.shape)} is not [N, K]"]))
+        raise ValueError(f"{name}: shapes do not fit x [N={N}, C={C}]: " + ", ".join(bad))
+
+
+def dense(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`t` as the C kernels read it: contiguous, its values in memory (no lazy negation: a view with the
+    neg bit, e.g. `z.conj().imag`, keeps the unnegated values behind data_ptr() and may still be
+    contiguous), in `dtype` if given; copied only when it is not so already."""
+    if t.is_contiguous() and not t.is_neg() and (dtype is None or t.dtype == dtype):
+        return t
+    return t.resolve_neg().to(t.dtype if dtype is None else dtype).contiguous()
 
 
 def lean_inputs(x_NC, weights_NK, idx_NK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x contiguous, weights in x's dtype, ids int64, each copied only when it is not so already."""
-    x = x_NC if x_NC.is_contiguous() else x_NC.contiguous()
-    wts = weights_NK if weights_NK.dtype == x.dtype and weights_NK.is_contiguous() else \
-        weights_NK.to(x.dtype).contiguous()
-    idx = idx_NK if idx_NK.dtype == torch.int64 and idx_NK.is_contiguous() else idx_NK.to(torch.int64).contiguous()
-    return x, wts, idx
+    """x contiguous, weights in x's dtype, ids int64 (each `dense`)."""
+    x = dense(x_NC)
+    return x, dense(weights_NK, x.dtype), dense(idx_NK, torch.int64)
 
 
 def raise_for(rc: int, name: str, num_experts: int) -> None:

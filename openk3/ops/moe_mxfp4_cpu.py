@@ -29,7 +29,7 @@ import torch
 
 from openk3.common import opaque_op
 from openk3.ops import cbuild
-from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, lean_inputs, raise_for
+from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, dense, lean_inputs, raise_for
 
 _SOURCE = C_COMMON + r"""
 static const float E2M1_f32[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -239,7 +239,7 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if lib is None:
         raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    bufs = [b if b.is_contiguous() else b.contiguous() for b in bufs]
+    bufs = [dense(b) for b in bufs]
     out = x.new_empty((N, C))
     if N == 0:
         return out
