@@ -54,7 +54,7 @@ enum { CHUNK = 64 };  /* tokens of one expert whose hidden rows are held at once
 #include <immintrin.h>
 /* float32 rows, 32 elements (16 bytes) per step: bytes -> 32-bit lanes, low and high nibbles looked up
    in a 16-entry table held in one register (vpermps), scaled, then interleaved back to element order. */
-static int deq_f32(const uint8_t *p, const uint8_t *s, int64_t n, float *o) {
+static inline __attribute__((always_inline)) int deq_f32(const uint8_t *p, const uint8_t *s, int64_t n, float *o) {
     const __m512 lut = _mm512_loadu_ps(E2M1_f32);
     const __m512i nib = _mm512_set1_epi32(15);
     const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
@@ -77,7 +77,7 @@ static int deq_f32(const uint8_t *p, const uint8_t *s, int64_t n, float *o) {
 
 /* One row of n (a multiple of 32) elements: packed p[n/2], scales s[n/32] -> o[n]. -1 on byte 255. */
 #define DEQ_SCALAR(T, SUF)                                                                          \
-static int deq_##SUF(const uint8_t *p, const uint8_t *s, int64_t n, T *o) {                         \
+static inline int deq_##SUF(const uint8_t *p, const uint8_t *s, int64_t n, T *o) {                       \
     for (int64_t g = 0; g < n / 32; g++) {                                                          \
         if (s[g] == 255) return -1;                                                                 \
         T sc = scale_##SUF(s[g]);                                                                   \
@@ -96,7 +96,7 @@ DEQ_SCALAR(float, f32)
 DEQ_SCALAR(double, f64)
 
 #define DEFINE(T, SUF)                                                                               \
-static void prefetch_##SUF(const uint8_t *a, int64_t n) {                                           \
+static inline void prefetch_##SUF(const uint8_t *a, int64_t n) {                                     \
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(a + b, 0, 1);                            \
 }                                                                                                   \
                                                                                                     \
