@@ -339,6 +339,17 @@ def test_mxfp4_bf16_load_and_keep_packed_on_float_checkpoint(tmp_path):
     assert not isinstance(plain.model.layers[2].block_sparse_moe.experts, PackedExperts)
 
 
+@pytest.mark.parametrize("keep_packed", [False, True])
+def test_mxfp4_nan_scale_is_refused_at_load(tmp_path, keep_packed):
+    """An E8M0 NaN scale byte (255) in the file is a ValueError naming the tensor when the checkpoint is
+    read, packed in memory or not (not a NaN logit, or an error in the middle of a later decode step)."""
+    save(_model("kl"), tmp_path / "q", experts_format="mxfp4", dtype=torch.float32)
+    bad = "model.layers.1.block_sparse_moe.experts.3.w2.weight_scale"
+    _rewrite(tmp_path / "q", lambda t: t[bad].view(-1).__setitem__(0, 255))
+    with pytest.raises(ValueError, match=r"experts\.3\.w2\.weight_scale.*scale byte 255"):
+        load(tmp_path / "q", dtype=torch.float32, keep_packed=keep_packed)
+
+
 # ---- A_log forms accepted on load -------------------------------------------------------------------
 
 def _rewrite(folder: Path, edit) -> None:

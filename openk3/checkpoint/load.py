@@ -22,6 +22,7 @@ from openk3.checkpoint.layout import (
     meta_model,
 )
 from openk3.config import K3Config
+from openk3.quant.mxfp4 import SCALE_NAN
 
 LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -199,6 +200,8 @@ class _Filler:
             self._stack(mod_name, leaf, self.trunk).__getitem__(e.expert).copy_(t)
             self._done(mod_name, leaf)
         elif self.packed_in_memory:
+            if e.kind == "scale" and bool((t == SCALE_NAN).any()):  # as `unpack` would refuse it, at load
+                raise ValueError(f"{name}: MXFP4 scale byte 255 (E8M0 NaN) found; refusing to load NaN weights")
             self._stack(mod_name, f"{leaf}_{e.kind}", torch.uint8).__getitem__(e.expert).copy_(t)
             self._done(mod_name, f"{leaf}_{e.kind}")
         else:
