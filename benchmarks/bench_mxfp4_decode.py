@@ -59,7 +59,7 @@ def bench_shape(cfg, tokens: int, layers: int, repeats: int, max_experts: int) -
     act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
     def bufs(pe):
-        return pe.w1_packed, pe.w1_scale, pe.w3_packed, pe.w3_scale, pe.w2_packed, pe.w2_scale
+        return [getattr(pe, name) for name in moe_mxfp4_cpu.BUFFERS]
 
     ref = moe_ops.experts_loop(x, wts, idx, plain[0].w1, plain[0].w3, plain[0].w2, glu)
     got = moe_mxfp4_cpu.experts_mxfp4(x, wts, idx, *bufs(packed[0]), *act)

@@ -190,7 +190,7 @@ class SparseMoE(nn.Module):
         """Routed experts held in MXFP4 (`quant.PackedExperts`): the MXFP4 CPU kernel (decode, short
         prompts, every compiled step) or, otherwise, `experts_packed` (dequantise each touched expert)."""
         pe = self.experts
-        bufs = (pe.w1_packed, pe.w1_scale, pe.w3_packed, pe.w3_scale, pe.w2_packed, pe.w2_scale)
+        bufs = [getattr(pe, name) for name in moe_mxfp4_cpu.BUFFERS]
         kernel = impl in ("auto", "fused") and moe_mxfp4_cpu.supports(z_NC, self.act[0]) and _mxfp4_available()
         if torch.compiler.is_compiling():
             if not kernel:  # experts_packed's per-expert loop has data-dependent shapes: no graph

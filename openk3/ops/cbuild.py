@@ -21,6 +21,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import warnings
 
 # -ffp-contract=fast lets the compiler fuse multiply-adds; `omp simd` pragmas allow vectorised
 # reductions (another summation order than torch's, within rounding; the kernels' float64 tests bound it).
@@ -103,3 +104,22 @@ def build(prefix: str, source: str, flags: list[str] | None = None) -> ctypes.CD
 def disabled() -> bool:
     """`OPENK3_NO_KERNELS` set to anything but "" or "0": use torch operators only."""
     return os.environ.get("OPENK3_NO_KERNELS", "0") not in ("", "0")
+
+
+def load(prefix: str, source: str, functions: dict[str, list], what: str) -> ctypes.CDLL | None:
+    """`build` and declare each of `functions` (name -> ctypes argument types; all return int), or None with
+    one RuntimeWarning naming `what` when kernels are disabled (`disabled()`, no warning) or the build fails:
+    callers keep their torch paths. Kernel modules cache the result per process."""
+    if disabled():
+        return None
+    try:
+        lib = build(prefix, source)
+    except Exception as e:  # noqa: BLE001 - any build failure only costs speed
+        warnings.warn(f"openk3: the {what} is unavailable ({e}); using torch operators", RuntimeWarning,
+                      stacklevel=4)
+        return None
+    for name, argtypes in functions.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = ctypes.c_int
+    return lib

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 
 import torch
 
@@ -200,26 +199,14 @@ DEFINE(double, f64)
 ACTS = {"silu": 0, "situ": 1}
 
 
-def _build() -> ctypes.CDLL:
-    lib = cbuild.build("moe", _SOURCE)
-    P, L, D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    for name in ("openk3_moe_f32", "openk3_moe_f64"):
-        fn = getattr(lib, name)
-        fn.argtypes = [P, P, P, L, L, L, P, P, P, L, L, ctypes.c_int, D, D, P]
-        fn.restype = ctypes.c_int
-    return lib
+_P, _L, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_ARGS = [_P, _P, _P, _L, _L, _L, _P, _P, _P, _L, _L, ctypes.c_int, _D, _D, _P]
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    if cbuild.disabled():
-        return None
-    try:
-        return _build()
-    except Exception as e:  # noqa: BLE001 - any build failure only costs speed
-        warnings.warn(f"openk3: the fused CPU MoE kernel is unavailable ({e}); using torch operators",
-                      RuntimeWarning, stacklevel=3)
-        return None
+    return cbuild.load("moe", _SOURCE, {"openk3_moe_f32": _ARGS, "openk3_moe_f64": _ARGS},
+                       "fused CPU MoE kernel")
 
 
 def available() -> bool:
