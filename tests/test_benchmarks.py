@@ -36,3 +36,14 @@ def test_bench_decode_with_mxfp4_experts_runs():
                              "--new-tokens", "4", "--repeats", "1", "--warmup", "0"])
     assert out["experts"] == "mxfp4"
     assert all(r["greedy_agreement"] == 1.0 for r in out["batches"]), [r["greedy_agreement"] for r in out["batches"]]
+
+
+def test_bench_linear_layout_runs(tmp_path):
+    import bench_linear_layout
+
+    out = bench_linear_layout.main(["--presets", "nano-kl", "--batch", "1", "3", "--copies", "1", "--repeats", "1",
+                                    "--json", str(tmp_path / "r.json")])
+    rows = out["presets"]["nano-kl"]
+    steps = [r for r in rows if "step_us" in r]
+    assert [r["batch"] for r in steps] == [1, 3] and all(r["step_us"]["column-major"] > 0 for r in steps)
+    assert sum(r["linears"] for r in rows if r.get("batch") == 1 and "linears" in r) > 30

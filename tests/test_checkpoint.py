@@ -313,7 +313,8 @@ def test_mxfp4_save_load(tmp_path, form):
     ex = packed.model.layers[1].block_sparse_moe.experts
     assert isinstance(ex, PackedExperts) and ex.w2_packed.dtype == torch.uint8
     assert packed.config.extra["quantization_config"] == SPEC_QUANT
-    torch.testing.assert_close(_logits(packed), _logits(back, moe_impl="loop"), rtol=0, atol=1e-6)
+    # float32: the MXFP4 kernel sums in another order and its vector GLU is within ~2 ulp of libm's
+    torch.testing.assert_close(_logits(packed), _logits(back, moe_impl="loop"), rtol=1e-5, atol=1e-5)
 
     # re-saving: bf16 from either copy drops the quantization_config; mxfp4 from packed is bit-exact
     save(back, tmp_path / "b1", dtype=torch.float32)

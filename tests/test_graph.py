@@ -5,6 +5,7 @@ real state, and the MoE forms the compiled step uses are twins of the reference 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -13,9 +14,10 @@ from helpers import assert_close
 
 from openk3.config import preset
 from openk3.infer.engine import Engine
-from openk3.infer.graph import DecodeGraph
+from openk3.infer.graph import ROW_MAJOR_LINEARS, DecodeGraph, column_major_linears_
 from openk3.infer.sample import SamplingParams
 from openk3.model.model import K3ForCausalLM
+from openk3.model.moe import Router
 from openk3.ops import moe as moe_ops
 
 F64 = torch.float64
@@ -150,6 +152,41 @@ def _moe_inputs(N=11, C=6, I=5, E=9, K=3, dtype=F64):
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
     weights = torch.rand(N, K, generator=g, dtype=dtype) + 0.1
     return [t.requires_grad_() for t in (x, weights, w1, w3, w2)], idx
+
+
+def test_column_major_linears_keep_the_model(tmp_path):
+    """The compiled CPU step's weight layout: every linear but kv_b_proj and tied or one-row weights moves
+    to column-major memory; forward, backward and a save/load round trip see the same values."""
+    from openk3.checkpoint import load, save
+
+    cfg = preset("nano")
+    model = K3ForCausalLM.build(cfg, dtype=F64, seed=0)
+    model.lm_head.weight = model.model.embed_tokens.weight  # shared by hand (K3 is untied): must stay row-major
+    ids = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    twin = copy.deepcopy(model)
+    ref = model(ids)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, Router))}
+    moved = column_major_linears_(model)
+    kept = {n for n, m in linears.items() if m.weight.is_contiguous()}
+    assert moved == len(linears) - len(kept) > 30
+    assert all(m.weight.t().is_contiguous() for n, m in linears.items() if n not in kept)
+    assert {n.rsplit(".", 1)[-1] for n in kept} >= {*ROW_MAJOR_LINEARS, "lm_head", "mlp_res_proj"}
+    assert any(isinstance(m, Router) for n, m in linears.items() if n not in kept)
+    assert all(linears[n].weight.shape[0] == 1 or n.endswith(("kv_b_proj", "lm_head")) for n in kept)
+    assert column_major_linears_(model) == 0  # idempotent
+    out = model(ids)
+    assert_close("forward", ref, out, 1e-12)
+    out.sum().backward()
+    twin(ids).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            assert_close(name, q.grad, p.grad, 1e-12)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied for the file
+    save(model, tmp_path / "ckpt", dtype=F64)
+    back = load(tmp_path / "ckpt")
+    assert all(t.is_contiguous() for t in back.state_dict().values())
+    assert_close("reloaded", ref, back(ids), 1e-12)
 
 
 @pytest.mark.parametrize("form", ["gather", "dense"])

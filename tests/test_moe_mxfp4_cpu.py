@@ -258,3 +258,60 @@ def test_mxfp4_bad_buffers_are_named():
     assert call(x, weights, idx.int(), *bufs, *ACTS["situ"]).shape == (2, 64)  # int32 ids are converted
     out = call(x, weights[:, :0], idx[:, :0], *[b[:0] for b in bufs], *ACTS["situ"])  # E = 0, K = 0
     assert torch.equal(out, torch.zeros(2, 64, dtype=F64))
+
+
+# ---- the float32 kernel (AVX-512: weights decoded into registers, vector GLU) against float64 ----------------
+
+@needs_cc
+@pytest.mark.parametrize("glu_name", list(GLUS))
+@pytest.mark.parametrize("N,C,I,E,hot", [
+    (5, 64, 32, 6, 2),  # five tokens on one expert: a block of four and a block of one
+    (70, 32, 64, 5, 1),  # > 64 tokens on one expert, blocks of 1..4 on the others
+    (3, 128, 96, 4, None),  # three 16-row blocks of hidden rows, eight of output columns
+    (1, 3584, 32, 4, None),  # wide C, one token
+])
+def test_mxfp4_kernel_float32_blocks(kernel, glu_name, N, C, I, E, hot):
+    gen = torch.Generator().manual_seed(N * 7 + C)
+    x, weights, bufs = _raw(E, I, C, N, 2, gen)
+    idx = torch.randint(0, E, (N, 2), generator=gen)
+    if hot is not None:
+        idx[:, 0] = hot
+    idx[0, 1] = idx[0, 0]  # one token picks the same expert twice
+    deq = [unpack(bufs[2 * j], bufs[2 * j + 1], torch.float32) for j in range(3)]
+    ref = experts_loop(x, weights, idx, *(w.double() for w in deq), GLUS[glu_name])  # exact weights, float64
+    got = moe_mxfp4_cpu.experts_mxfp4(x.float(), weights.float(), idx, *bufs, *ACTS[glu_name])
+    assert_close(f"N{N} C{C} I{I}", ref, got.double(), 1e-5)
+
+
+@needs_cc
+@pytest.mark.parametrize("glu_name", list(GLUS))
+def test_mxfp4_kernel_float32_glu_range(kernel, glu_name):
+    """Token rows from 1e-6 to 1e3 in scale: the GLU's small arguments (tanh near 0, no cancellation), its
+    saturation (tanh -> +-1, sigmoid -> 0 or 1, exp overflowing to inf) and everything between, each row
+    to its own relative error."""
+    gen = torch.Generator().manual_seed(11)
+    scales = torch.tensor([1e-6, 1e-3, 0.1, 1.0, 3.0, 30.0, 300.0, 1e3], dtype=F64)
+    x, weights, bufs = _raw(3, 32, 64, len(scales), 2, gen)
+    x = x * scales[:, None]
+    idx = torch.randint(0, 3, (len(scales), 2), generator=gen)
+    deq = [unpack(bufs[2 * j], bufs[2 * j + 1], torch.float32).double() for j in range(3)]
+    ref = experts_loop(x.float().double(), weights.float().double(), idx, *deq, GLUS[glu_name])
+    got = moe_mxfp4_cpu.experts_mxfp4(x.float(), weights.float(), idx, *bufs, *ACTS[glu_name]).double()
+    for n in range(len(scales)):
+        assert_close(f"row scaled {scales[n]:g}", ref[n], got[n], 2e-5)
+
+
+@needs_cc
+def test_mxfp4_kernel_float32_propagates_nan(kernel):
+    """A NaN activation poisons its own token's output row only (the vector exp's clamps keep NaN)."""
+    gen = torch.Generator().manual_seed(12)
+    x, weights, bufs = _raw(3, 32, 64, 4, 2, gen)
+    x, weights = x.float(), weights.float()
+    idx = torch.tensor([[0, 1], [1, 2], [0, 2], [2, 1]])
+    clean = moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"])
+    x[1, 5] = float("nan")
+    for act in ("situ", "swiglu"):
+        got = moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS[act])
+        assert torch.isnan(got[1]).all(), act
+        assert torch.isfinite(got[[0, 2, 3]]).all(), act
+    assert torch.equal(moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"])[[0, 2, 3]], clean[[0, 2, 3]])

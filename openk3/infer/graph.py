@@ -11,8 +11,9 @@ context length, plus one for a batch of one (about 40-90 s each on one CPU core 
 that is the CPU default; inductor caches them on disk). Inside the compiled step the MoE takes a
 static-shape form (`moe.compiled_impl`: gathered experts, the fused CPU kernel as one opaque
 operator, all experts densely, or the grouped path as one opaque operator), and fused-weight caches
-step aside (the compiler removes the overhead they exist for). On CUDA, `mode="reduce-overhead"`
-adds CUDA graphs (untested here).
+step aside (the compiler removes the overhead they exist for). On CPU the model's linear weights are
+stored column-major first (`column_major_linears_`: the same values, a faster matmul layout for MKL at
+decode's few rows). On CUDA, `mode="reduce-overhead"` adds CUDA graphs (untested here).
 
 Used by `Engine(..., compile=True)` (`openk3 generate/chat --compile`).
 """
@@ -24,6 +25,7 @@ import warnings
 import torch
 
 from openk3.model.cache import KDAState, SlotCache
+from openk3.model.moe import Router
 from openk3.ops import moe_mxfp4_cpu
 
 
@@ -46,6 +48,42 @@ def _mark_dynamic(args) -> None:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     for t in [*args[2], *args[3]]:
         torch._dynamo.maybe_mark_dynamic(t, 1)
+
+
+# Linear weights read other than through `F.linear`: MLA's kv_b_proj is split per head (`view`) by the
+# absorbed attention, which wants its rows contiguous.
+ROW_MAJOR_LINEARS = ("kv_b_proj",)
+
+
+@torch.no_grad()
+def column_major_linears_(model: torch.nn.Module) -> int:
+    """Store each `nn.Linear` weight of `model` (and each MoE router's, which is one) column-major, in
+    place: the same values and shape, in the memory of `weight.t().contiguous()`. Returns how many
+    weights moved.
+
+    Why: `F.linear(x, W)` multiplies `x @ W.t()`. With W row-major MKL packs W's transpose into a
+    buffer on every call before it multiplies; with W column-major `W.t()` is a plain row-major matrix
+    it reads as is. At decode's few rows that copy is a large share of the call: at 16 rows and a
+    128 -> 512 weight, ~20 us instead of ~31 (`benchmarks/bench_linear_layout.py`; one core). At one row
+    both layouts cost about the same, and so do they in bfloat16 (oneDNN, not MKL: left as they are,
+    like every dtype but float32 and float64). Training, saving (`checkpoint.save` writes contiguous
+    copies) and loading (`copy_` keeps the layout) are unaffected. Skipped: `ROW_MAJOR_LINEARS`, weights
+    with a single output row (the same memory either way) and weights shared with another module (a
+    tied embedding is gathered by rows)."""
+    seen: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        seen[id(p)] = seen.get(id(p), 0) + 1
+    moved = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (torch.nn.Linear, Router)) or name.rsplit(".", 1)[-1] in ROW_MAJOR_LINEARS:
+            continue
+        w = mod.weight
+        if (w.dim() != 2 or w.dtype not in (torch.float32, torch.float64) or w.shape[0] < 2 or seen[id(w)] > 1
+                or w.t().is_contiguous()):
+            continue
+        w.data = w.data.t().contiguous().t()
+        moved += 1
+    return moved
 
 
 class _GraphMLA:
@@ -102,6 +140,8 @@ class DecodeGraph:
                 raise ValueError("compiled decode of MXFP4-packed experts needs the MXFP4 CPU kernel (a C "
                                  "compiler, OPENK3_NO_KERNELS unset); use compile=False or load with "
                                  "keep_packed=False")
+        if compile and next(model.parameters()).device.type == "cpu":
+            column_major_linears_(model)
         # Guards on the model's modules and parameters cost ~0.5 ms per call at small shapes; an engine
         # keeps its model, so only the step's own tensor inputs are checked (shape, dtype, strides).
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
