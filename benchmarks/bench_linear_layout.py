@@ -9,8 +9,8 @@ in turn, so they are not all hot in the cache, as in a real step), per call, con
     python benchmarks/bench_linear_layout.py                          # nano-kl and small-kl, batch 1 and 16
     python benchmarks/bench_linear_layout.py --presets base --batch 1 4 16
 
-The last column adds the shapes up as one decode step uses them (each shape times the number of its
-linears). Outputs are checked equal first; nothing asserts on time.
+The last row adds the shapes up as one decode step uses them (each shape times the number of its
+weights). Outputs are checked equal first; nothing asserts on time.
 """
 
 from __future__ import annotations
@@ -33,12 +33,11 @@ from openk3.model.model import K3ForCausalLM  # noqa: E402
 
 
 def linear_shapes(cfg) -> Counter:
-    """(in, out) -> how many linears of the model have that shape, counting those the relayout moves."""
+    """(in, out) -> how many weights of that shape the relayout moves (linears and MoE routers)."""
     model = K3ForCausalLM.build(cfg.replace(), seed=0)
-    before = {name: m.weight.stride() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    before = {name: p.stride() for name, p in model.named_parameters()}
     column_major_linears_(model)
-    return Counter((m.in_features, m.out_features) for name, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and m.weight.stride() != before[name])
+    return Counter((p.shape[1], p.shape[0]) for name, p in model.named_parameters() if p.stride() != before[name])
 
 
 def bench_shape(d_in: int, d_out: int, batch: int, copies: int, repeats: int, dtype: torch.dtype) -> dict:
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     with torch.no_grad():
         for name in args.presets:
             shapes = linear_shapes(preset(name))
-            print(f"\n{name}: {sum(shapes.values())} linears in {len(shapes)} shapes, {args.dtype}")
+            print(f"\n{name}: {sum(shapes.values())} weights in {len(shapes)} shapes, {args.dtype}")
             print("| batch | in -> out (linears) | row-major | column-major | speedup |")
             print("|---|---|---|---|---|")
             rows = []
