@@ -81,6 +81,19 @@ def test_bad_expert_id_is_a_value_error():
         moe_cpu.experts_fused(x.detach(), weights.detach(), idx, w1.detach(), w3.detach(), w2.detach(), "silu", 4, 25)
 
 
+@needs_cc
+def test_empty_widths_return_without_calling_c():
+    """C = 0: an empty output (no buffer behind its data_ptr: C is never called); I = 0: zeros."""
+    x, idx, wts = torch.randn(3, 0, dtype=F64), torch.tensor([[0, 1]] * 3), torch.rand(3, 2, dtype=F64)
+    out = moe_cpu.experts_fused(x, wts, idx, *(torch.zeros(2, 4, 0, dtype=F64) for _ in range(2)),
+                                torch.zeros(2, 0, 4, dtype=F64), "silu", 4, 25)
+    assert out.shape == (3, 0)
+    x = torch.randn(3, 8, dtype=F64)
+    out = moe_cpu.experts_fused(x, wts, idx, *(torch.zeros(2, 0, 8, dtype=F64) for _ in range(2)),
+                                torch.zeros(2, 8, 0, dtype=F64), "silu", 4, 25)
+    assert torch.equal(out, torch.zeros(3, 8, dtype=F64))
+
+
 def test_supports_names_what_the_kernel_takes():
     x, w = torch.zeros(2, 4), torch.zeros(3, 5, 4)
     with torch.no_grad():

@@ -258,6 +258,8 @@ def test_mxfp4_bad_buffers_are_named():
     assert call(x, weights, idx.int(), *bufs, *ACTS["situ"]).shape == (2, 64)  # int32 ids are converted
     out = call(x, weights[:, :0], idx[:, :0], *[b[:0] for b in bufs], *ACTS["situ"])  # E = 0, K = 0
     assert torch.equal(out, torch.zeros(2, 64, dtype=F64))
+    empty_c = [*(b[:, :, :0] for b in bufs[:4]), bufs[4][:, :0], bufs[5][:, :0]]
+    assert call(x[:, :0], weights, idx, *empty_c, *ACTS["situ"]).shape == (2, 0)  # C = 0: C is never called
 
 
 # ---- the float32 kernel (AVX-512: weights decoded into registers, vector GLU) against float64 ----------------

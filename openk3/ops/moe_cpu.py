@@ -247,7 +247,7 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
     w1, w3, w2 = (dense(w) for w in weights)
     out = x.new_empty((N, C))
-    if N == 0:
+    if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
         return out
     fn = lib.openk3_moe_f32 if x.dtype == torch.float32 else lib.openk3_moe_f64
     rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, w1.data_ptr(), w3.data_ptr(),
