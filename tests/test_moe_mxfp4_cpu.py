@@ -317,3 +317,32 @@ def test_mxfp4_kernel_float32_propagates_nan(kernel):
         assert torch.isnan(got[1]).all(), act
         assert torch.isfinite(got[[0, 2, 3]]).all(), act
     assert torch.equal(moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *bufs, *ACTS["situ"])[[0, 2, 3]], clean[[0, 2, 3]])
+
+
+def test_mxfp4_fast_path_only_takes_inputs_as_they_are():
+    """The decode call skips the named checks only when every one of them would pass with no conversion;
+    anything else goes through them (and is converted or refused)."""
+    gen = torch.Generator().manual_seed(13)
+    x, weights, bufs = _raw(3, 32, 64, 2, 2, gen)
+    idx = torch.tensor([[0, 1], [1, 2]])
+    ready = moe_mxfp4_cpu._ready_as_is
+    assert ready(x, weights, idx, bufs, "situ")
+    assert ready(x.float(), weights.float(), idx, bufs, "silu")
+    t = bufs[0].transpose(1, 2).contiguous().transpose(1, 2)
+    variants = {
+        "unknown activation": (x, weights, idx, bufs, "gelu"),
+        "neg view": (torch._neg_view(x), weights, idx, bufs, "situ"),
+        "int32 ids": (x, weights, idx.int(), bufs, "situ"),
+        "weights in another dtype": (x, weights.float(), idx, bufs, "situ"),
+        "bfloat16 x": (x.bfloat16(), weights.bfloat16(), idx, bufs, "situ"),
+        "non-contiguous buffer": (x, weights, idx, [t, *bufs[1:]], "situ"),
+        "short scale": (x, weights, idx, [bufs[0], bufs[1][:, :, :0], *bufs[2:]], "situ"),
+        "int8 buffer": (x, weights, idx, [*bufs[:2], bufs[2].to(torch.int8), *bufs[3:]], "situ"),
+        "meta buffer": (x, weights, idx, [*bufs[:5], bufs[5].to("meta")], "situ"),
+        "sparse buffer": (x, weights, idx, [bufs[0].to_sparse(), *bufs[1:]], "situ"),
+        "ids [N]": (x, weights, idx[:, 0], bufs, "situ"),
+        "ids of another N": (x, weights[:1], idx[:1], bufs, "situ"),
+        "C not a multiple of 32": (x[:, :48], weights, idx, bufs, "situ"),
+    }
+    for name, args in variants.items():
+        assert not ready(*args), name

@@ -400,6 +400,10 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     recipe, in one kernel call. Returns [N, C] in x's dtype. Bad inputs (and scale byte 255, E8M0 NaN,
     in a used expert) raise ValueError; nothing unchecked reaches C."""
     bufs = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
+    lib = _lib()
+    if lib is not None and _ready_as_is(x_NC, weights_NK, idx_NK, bufs, hidden_act):
+        return _call(lib, x_NC, weights_NK, idx_NK, bufs, w1_packed.shape[0], w1_packed.shape[1], hidden_act, beta,
+                     linear_beta)
     named = dict(zip(BUFFERS, bufs, strict=True))
     check_call("experts_mxfp4", x_NC, weights_NK, idx_NK, named, hidden_act)
     if any(b.dtype != torch.uint8 for b in bufs):
@@ -407,17 +411,45 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
         raise ValueError(f"experts_mxfp4: MXFP4 buffers must be uint8; got {', '.join(bad)}")
     if w1_packed.dim() != 3:
         raise ValueError(f"experts_mxfp4: w1_packed must be [E, I, C/2]; got {tuple(w1_packed.shape)}")
-    (N, C), (E, I) = x_NC.shape, w1_packed.shape[:2]
+    C, (E, I) = x_NC.shape[1], w1_packed.shape[:2]
     if C % 32 or I % 32:
         raise ValueError(f"experts_mxfp4: C ({C}) and I ({I}) must be multiples of 32 (MXFP4 groups)")
     up, up_s, down, down_s = (E, I, C // 2), (E, I, C // 32), (E, C, I // 2), (E, C, I // 32)
     check_shapes("experts_mxfp4", x_NC, weights_NK, idx_NK,
                  {n: (b, w) for (n, b), w in zip(named.items(), (up, up_s, up, up_s, down, down_s), strict=True)})
-    lib = _lib()
     if lib is None:
         raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    bufs = [dense(b) for b in bufs]
+    return _call(lib, x, wts, idx, [dense(b) for b in bufs], E, I, hidden_act, beta, linear_beta)
+
+
+def _as_is(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """`t` is what C reads without a copy: `dtype`, CPU, dense strided (not sparse or nested),
+    contiguous, no lazy negation (the checks of `check_call` and `dense`, in the order that keeps each
+    one defined)."""
+    return (t.dtype == dtype and t.is_cpu and t.layout == torch.strided and not t.is_nested and t.is_contiguous()
+            and not t.is_neg())
+
+
+def _ready_as_is(x, wts, idx, bufs, hidden_act: str) -> bool:
+    """The common call (a decode step's): every input already valid and in the form C reads, so the
+    checks that name what is wrong, and the conversions, can be skipped. False sends the call through
+    them; True only when they would all pass without converting anything."""
+    if hidden_act not in ACTS or x.dim() != 2 or idx.dim() != 2 or bufs[0].dim() != 3:
+        return False
+    (N, C), (E, I) = x.shape, bufs[0].shape[:2]
+    if C % 32 or I % 32 or idx.shape[0] != N or wts.shape != idx.shape or x.dtype not in (torch.float32,
+                                                                                            torch.float64):
+        return False
+    up, up_s, down, down_s = (E, I, C // 2), (E, I, C // 32), (E, C, I // 2), (E, C, I // 32)
+    return (bufs[0].shape == up and bufs[1].shape == up_s and bufs[2].shape == up and bufs[3].shape == up_s
+            and bufs[4].shape == down and bufs[5].shape == down_s and _as_is(x, x.dtype) and _as_is(wts, x.dtype)
+            and _as_is(idx, torch.int64) and all(_as_is(b, torch.uint8) for b in bufs))
+
+
+def _call(lib, x, wts, idx, bufs, E: int, I: int, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """The kernel call on checked inputs in the form C reads."""
+    N, C = x.shape
     out = x.new_empty((N, C))
     if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
         return out
