@@ -94,6 +94,32 @@ def test_empty_widths_return_without_calling_c():
     assert torch.equal(out, torch.zeros(3, 8, dtype=F64))
 
 
+@needs_cc
+def test_calls_skip_the_naming_checks_only_for_inputs_as_they_are(monkeypatch):
+    """A decode call whose inputs are valid and in the form C reads goes straight to the kernel; one that
+    needs a conversion or would be refused takes the checks, and both reach the same result."""
+    (x, weights, w1, w3, w2), idx = _inputs("N13-uniform", F64)
+    x, weights, w1, w3, w2 = (t.detach() for t in (x, weights, w1, w3, w2))
+    as_is = moe_cpu.inputs_as_is
+    assert as_is(x, weights, idx, (w1, w3, w2), F64, "situ")
+    assert not as_is(x, weights, idx.int(), (w1, w3, w2), F64, "situ")  # ids to convert
+    assert not as_is(torch._neg_view(x), weights, idx, (w1, w3, w2), F64, "situ")
+    assert not as_is(x, weights, idx, (w1.float(), w3, w2), F64, "situ")
+    assert not as_is(x, weights, idx, (w1.transpose(1, 2), w3, w2), F64, "situ")
+    assert not as_is(x, weights[:2], idx[:2], (w1, w3, w2), F64, "situ")
+    assert not as_is(x, weights, idx, (w1, w3, w2), F64, "gelu")
+    checked = []
+    monkeypatch.setattr(moe_cpu, "check_call", lambda *a: checked.append(a[0]) or None)
+    fast = moe_cpu.experts_fused(x, weights, idx, w1, w3, w2, "situ", 4, 25)
+    assert checked == []
+    slow = moe_cpu.experts_fused(x, weights, idx.int(), w1, w3, w2, "situ", 4, 25)
+    assert checked == ["experts_fused"] and torch.equal(fast, slow)
+    w2_short = w2[:, :, :-1]  # as is, but its shape does not fit: the checks run (and refuse it)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        moe_cpu.experts_fused(x, weights, idx, w1, w3, w2_short.contiguous(), "situ", 4, 25)
+
+
 def test_supports_names_what_the_kernel_takes():
     x, w = torch.zeros(2, 4), torch.zeros(3, 5, 4)
     with torch.no_grad():

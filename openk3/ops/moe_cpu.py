@@ -231,6 +231,11 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     `experts_fused_op` (`openk3::experts_fused`) is the same as a torch.library operator: what a compiled
     decode step calls (one opaque kernel in its graph; eager callers call this function directly)."""
     weights = (w1_EIC, w3_EIC, w2_ECI)
+    lib = _lib()
+    if lib is not None and inputs_as_is(x_NC, weights_NK, idx_NK, weights, x_NC.dtype, hidden_act):
+        E, I, C = w1_EIC.shape if w1_EIC.dim() == 3 else (-1, -1, -1)
+        if (C == x_NC.shape[1] and w3_EIC.shape == w1_EIC.shape and w2_ECI.shape == (E, C, I)):
+            return _call(lib, x_NC, weights_NK, idx_NK, weights, E, I, hidden_act, beta, linear_beta)
     check_call("experts_fused", x_NC, weights_NK, idx_NK, dict(zip(("w1", "w3", "w2"), weights, strict=True)),
                hidden_act)
     if any(w.dtype != x_NC.dtype for w in weights):
@@ -238,20 +243,24 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
                          f"x {x_NC.dtype}, w1 {w1_EIC.dtype}, w3 {w3_EIC.dtype}, w2 {w2_ECI.dtype}")
     if w1_EIC.dim() != 3:
         raise ValueError(f"experts_fused: w1 must be [E, I, C]; got {tuple(w1_EIC.shape)}")
-    (N, C), (E, I) = x_NC.shape, w1_EIC.shape[:2]
+    C, (E, I) = x_NC.shape[1], w1_EIC.shape[:2]
     check_shapes("experts_fused", x_NC, weights_NK, idx_NK, {"w1": (w1_EIC, (E, I, C)), "w3": (w3_EIC, (E, I, C)),
                                                              "w2": (w2_ECI, (E, C, I))})
-    lib = _lib()
     if lib is None:
         raise RuntimeError("the fused CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    w1, w3, w2 = (dense(w) for w in weights)
+    return _call(lib, x, wts, idx, [dense(w) for w in weights], E, I, hidden_act, beta, linear_beta)
+
+
+def _call(lib, x, wts, idx, weights, E: int, I: int, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """The kernel call on checked inputs in the form C reads."""
+    N, C = x.shape
     out = x.new_empty((N, C))
     if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
         return out
     fn = lib.openk3_moe_f32 if x.dtype == torch.float32 else lib.openk3_moe_f64
-    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, w1.data_ptr(), w3.data_ptr(),
-            w2.data_ptr(), E, I, ACTS[hidden_act], beta, linear_beta, out.data_ptr())
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, weights[0].data_ptr(),
+            weights[1].data_ptr(), weights[2].data_ptr(), E, I, ACTS[hidden_act], beta, linear_beta, out.data_ptr())
     raise_for(rc, "experts_fused", E)
     return out
 
@@ -282,6 +291,28 @@ def check_call(name: str, x_NC, weights_NK, idx_NK, others: dict, hidden_act: st
         raise ValueError(f"{name}: unknown activation {hidden_act!r} (known: {', '.join(ACTS)})")
     if x_NC.dim() != 2:
         raise ValueError(f"{name}: x must be [N, C]; got {tuple(x_NC.shape)}")
+
+
+def as_is(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """`t` is what C reads without a copy: `dtype`, CPU, dense strided (not sparse or nested),
+    contiguous, no lazy negation (what `check_call` and `dense` ask, in an order that keeps each test
+    defined)."""
+    return (t.dtype == dtype and t.is_cpu and t.layout == torch.strided and not t.is_nested and t.is_contiguous()
+            and not t.is_neg())
+
+
+def inputs_as_is(x_NC, weights_NK, idx_NK, buffers, buffer_dtype: torch.dtype, hidden_act: str) -> bool:
+    """The common call (a decode step's): activations, routing and the kernel's `buffers` (of
+    `buffer_dtype`) already valid and in the form C reads, so the checks that name what is wrong, and
+    the conversions, can be skipped; each kernel adds its buffers' shapes. False sends the call through
+    `check_call`, `check_shapes` and `lean_inputs`; True only when they would pass converting nothing."""
+    if hidden_act not in ACTS or x_NC.dtype not in (torch.float32, torch.float64):
+        return False
+    if not (as_is(x_NC, x_NC.dtype) and as_is(weights_NK, x_NC.dtype) and as_is(idx_NK, torch.int64)
+            and all(as_is(b, buffer_dtype) for b in buffers)):
+        return False  # first: a sparse or nested tensor has no sizes to compare
+    return (x_NC.dim() == 2 and idx_NK.dim() == 2 and idx_NK.shape[0] == x_NC.shape[0]
+            and weights_NK.shape == idx_NK.shape)
 
 
 def check_shapes(name: str, x_NC, weights_NK, idx_NK, want: dict) -> None:

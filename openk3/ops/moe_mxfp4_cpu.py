@@ -38,7 +38,7 @@ import torch
 
 from openk3.common import opaque_op
 from openk3.ops import cbuild
-from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, dense, lean_inputs, raise_for
+from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, dense, inputs_as_is, lean_inputs, raise_for
 
 # The float32 kernel on AVX-512 (the decode path): no weight row is materialised. Each 32-element group
 # is decoded into two registers (its even and odd elements: low and high nibbles through the 16-entry
@@ -275,7 +275,6 @@ static inline int deq_##SUF(const uint8_t *p, const uint8_t *s, int64_t n, T *o)
     }                                                                                               \
     return 0;                                                                                       \
 }
-DEQ_SCALAR(float, f32)
 DEQ_SCALAR(double, f64)
 
 #define DEFINE(T, SUF)                                                                               \
@@ -363,6 +362,7 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
 #if defined(__AVX512F__) && !defined(OPENK3_SCALAR)
 """ + _AVX512_F32 + r"""
 #else
+DEQ_SCALAR(float, f32)
 DEFINE(float, f32)
 #endif
 DEFINE(double, f64)
@@ -423,28 +423,16 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     return _call(lib, x, wts, idx, [dense(b) for b in bufs], E, I, hidden_act, beta, linear_beta)
 
 
-def _as_is(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    """`t` is what C reads without a copy: `dtype`, CPU, dense strided (not sparse or nested),
-    contiguous, no lazy negation (the checks of `check_call` and `dense`, in the order that keeps each
-    one defined)."""
-    return (t.dtype == dtype and t.is_cpu and t.layout == torch.strided and not t.is_nested and t.is_contiguous()
-            and not t.is_neg())
-
-
 def _ready_as_is(x, wts, idx, bufs, hidden_act: str) -> bool:
-    """The common call (a decode step's): every input already valid and in the form C reads, so the
-    checks that name what is wrong, and the conversions, can be skipped. False sends the call through
-    them; True only when they would all pass without converting anything."""
-    if hidden_act not in ACTS or x.dim() != 2 or idx.dim() != 2 or bufs[0].dim() != 3:
+    """`moe_cpu.inputs_as_is` with the packed buffers' shapes: the call can skip the naming checks."""
+    if not inputs_as_is(x, wts, idx, bufs, torch.uint8, hidden_act) or bufs[0].dim() != 3:
         return False
-    (N, C), (E, I) = x.shape, bufs[0].shape[:2]
-    if C % 32 or I % 32 or idx.shape[0] != N or wts.shape != idx.shape or x.dtype not in (torch.float32,
-                                                                                            torch.float64):
+    C, (E, I) = x.shape[1], bufs[0].shape[:2]
+    if C % 32 or I % 32:
         return False
     up, up_s, down, down_s = (E, I, C // 2), (E, I, C // 32), (E, C, I // 2), (E, C, I // 32)
     return (bufs[0].shape == up and bufs[1].shape == up_s and bufs[2].shape == up and bufs[3].shape == up_s
-            and bufs[4].shape == down and bufs[5].shape == down_s and _as_is(x, x.dtype) and _as_is(wts, x.dtype)
-            and _as_is(idx, torch.int64) and all(_as_is(b, torch.uint8) for b in bufs))
+            and bufs[4].shape == down and bufs[5].shape == down_s)
 
 
 def _call(lib, x, wts, idx, bufs, E: int, I: int, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
