@@ -235,7 +235,8 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if lib is not None and inputs_as_is(x_NC, weights_NK, idx_NK, weights, x_NC.dtype, hidden_act):
         E, I, C = w1_EIC.shape if w1_EIC.dim() == 3 else (-1, -1, -1)
         if (C == x_NC.shape[1] and w3_EIC.shape == w1_EIC.shape and w2_ECI.shape == (E, C, I)):
-            return _call(lib, x_NC, weights_NK, idx_NK, weights, E, I, hidden_act, beta, linear_beta)
+            return call_kernel(lib.openk3_moe_f32, lib.openk3_moe_f64, "experts_fused", x_NC, weights_NK, idx_NK,
+                               weights, E, I, hidden_act, beta, linear_beta)
     check_call("experts_fused", x_NC, weights_NK, idx_NK, dict(zip(("w1", "w3", "w2"), weights, strict=True)),
                hidden_act)
     if any(w.dtype != x_NC.dtype for w in weights):
@@ -249,20 +250,8 @@ def experts_fused(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if lib is None:
         raise RuntimeError("the fused CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    return _call(lib, x, wts, idx, [dense(w) for w in weights], E, I, hidden_act, beta, linear_beta)
-
-
-def _call(lib, x, wts, idx, weights, E: int, I: int, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
-    """The kernel call on checked inputs in the form C reads."""
-    N, C = x.shape
-    out = x.new_empty((N, C))
-    if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
-        return out
-    fn = lib.openk3_moe_f32 if x.dtype == torch.float32 else lib.openk3_moe_f64
-    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, weights[0].data_ptr(),
-            weights[1].data_ptr(), weights[2].data_ptr(), E, I, ACTS[hidden_act], beta, linear_beta, out.data_ptr())
-    raise_for(rc, "experts_fused", E)
-    return out
+    return call_kernel(lib.openk3_moe_f32, lib.openk3_moe_f64, "experts_fused", x, wts, idx,
+                       [dense(w) for w in weights], E, I, hidden_act, beta, linear_beta)
 
 
 # ---- call-side checks shared with `moe_mxfp4_cpu.py` ----------------------------------------------------------
@@ -340,6 +329,21 @@ def lean_inputs(x_NC, weights_NK, idx_NK) -> tuple[torch.Tensor, torch.Tensor, t
     """x contiguous, weights in x's dtype, ids int64 (each `dense`)."""
     x = dense(x_NC)
     return x, dense(weights_NK, x.dtype), dense(idx_NK, torch.int64)
+
+
+def call_kernel(fn_f32, fn_f64, name: str, x, wts, idx, buffers, E: int, I: int, hidden_act: str, beta: float,
+                linear_beta: float) -> torch.Tensor:
+    """One kernel call on checked inputs in the form C reads: (x, ids, weights, N, K, C, *buffers, E, I,
+    activation, beta, linear_beta, out), the signature both kernels share. Returns out [N, C]."""
+    N, C = x.shape
+    out = x.new_empty((N, C))
+    if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
+        return out
+    fn = fn_f32 if x.dtype == torch.float32 else fn_f64
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, *(b.data_ptr() for b in buffers), E, I,
+            ACTS[hidden_act], beta, linear_beta, out.data_ptr())
+    raise_for(rc, name, E)
+    return out
 
 
 def raise_for(rc: int, name: str, num_experts: int) -> None:

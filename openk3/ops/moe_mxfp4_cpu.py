@@ -38,7 +38,16 @@ import torch
 
 from openk3.common import opaque_op
 from openk3.ops import cbuild
-from openk3.ops.moe_cpu import ACTS, C_COMMON, check_call, check_shapes, dense, inputs_as_is, lean_inputs, raise_for
+from openk3.ops.moe_cpu import (
+    ACTS,
+    C_COMMON,
+    call_kernel,
+    check_call,
+    check_shapes,
+    dense,
+    inputs_as_is,
+    lean_inputs,
+)
 
 # The float32 kernel on AVX-512 (the decode path): no weight row is materialised. Each 32-element group
 # is decoded into two registers (its even and odd elements: low and high nibbles through the 16-entry
@@ -402,8 +411,8 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     bufs = (w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale)
     lib = _lib()
     if lib is not None and _ready_as_is(x_NC, weights_NK, idx_NK, bufs, hidden_act):
-        return _call(lib, x_NC, weights_NK, idx_NK, bufs, w1_packed.shape[0], w1_packed.shape[1], hidden_act, beta,
-                     linear_beta)
+        return call_kernel(lib.openk3_moe_mxfp4_f32, lib.openk3_moe_mxfp4_f64, "experts_mxfp4", x_NC, weights_NK,
+                           idx_NK, bufs, w1_packed.shape[0], w1_packed.shape[1], hidden_act, beta, linear_beta)
     named = dict(zip(BUFFERS, bufs, strict=True))
     check_call("experts_mxfp4", x_NC, weights_NK, idx_NK, named, hidden_act)
     if any(b.dtype != torch.uint8 for b in bufs):
@@ -420,7 +429,8 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     if lib is None:
         raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
-    return _call(lib, x, wts, idx, [dense(b) for b in bufs], E, I, hidden_act, beta, linear_beta)
+    return call_kernel(lib.openk3_moe_mxfp4_f32, lib.openk3_moe_mxfp4_f64, "experts_mxfp4", x, wts, idx,
+                       [dense(b) for b in bufs], E, I, hidden_act, beta, linear_beta)
 
 
 def _ready_as_is(x, wts, idx, bufs, hidden_act: str) -> bool:
@@ -433,20 +443,6 @@ def _ready_as_is(x, wts, idx, bufs, hidden_act: str) -> bool:
     up, up_s, down, down_s = (E, I, C // 2), (E, I, C // 32), (E, C, I // 2), (E, C, I // 32)
     return (bufs[0].shape == up and bufs[1].shape == up_s and bufs[2].shape == up and bufs[3].shape == up_s
             and bufs[4].shape == down and bufs[5].shape == down_s)
-
-
-def _call(lib, x, wts, idx, bufs, E: int, I: int, hidden_act: str, beta: float, linear_beta: float) -> torch.Tensor:
-    """The kernel call on checked inputs in the form C reads."""
-    N, C = x.shape
-    out = x.new_empty((N, C))
-    if N == 0 or C == 0:  # nothing to compute (and no buffer behind out.data_ptr())
-        return out
-    fn = lib.openk3_moe_mxfp4_f32 if x.dtype == torch.float32 else lib.openk3_moe_mxfp4_f64
-    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, bufs[0].data_ptr(), bufs[1].data_ptr(),
-            bufs[2].data_ptr(), bufs[3].data_ptr(), bufs[4].data_ptr(), bufs[5].data_ptr(), E, I,
-            ACTS[hidden_act], beta, linear_beta, out.data_ptr())
-    raise_for(rc, "experts_mxfp4", E)
-    return out
 
 
 experts_mxfp4_op = opaque_op(
