@@ -36,6 +36,50 @@ def setup_cpu(threads: int | None = None) -> int:
     return torch.get_num_threads()
 
 
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+          "fp64": torch.float64, "float64": torch.float64}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """None (keep what is there: "auto"/"none"/""), a torch dtype, or a name such as "bf16", "bfloat16",
+    "fp32", "float32", "torch.float32". Every `--dtype` flag and `dtype=` argument goes through here, so
+    the accepted spellings are the same everywhere. ValueError names the value."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).strip().lower().removeprefix("torch.")
+    if key in ("auto", "none", ""):
+        return None
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, bf16/bfloat16, fp16/float16, "
+                         f"fp32/float32, fp64/float64")
+    return DTYPES[key]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """A torch.device for a user's `--device` / `device=` value, refused with a ValueError (not torch's
+    AssertionError deep inside a later `.to()`) when this machine cannot run it: "cuda" without a CUDA
+    build or GPU, an index past the device count, "mps" where Metal is absent, or a malformed name."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unknown device {device!r} ({e}); use cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here "
+                             f"(torch {torch.__version__}, a CPU build or no GPU); use --device cpu")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif d.type == "mps":
+        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+            raise ValueError(f"device {device!r}: MPS (Apple Metal) is not available here; use --device cpu")
+    elif d.type != "cpu":
+        raise ValueError(f"device {device!r}: openk3 runs on cpu, cuda or mps")
+    return d
+
+
 def seed_everything(seed: int) -> torch.Generator:
     """Seed python, torch (CPU and CUDA); returns a CPU generator seeded the same way."""
     random.seed(seed)

@@ -28,28 +28,13 @@ from typing import Any
 
 import torch
 
+from openk3.common import resolve_dtype
 from openk3.infer.engine import Engine, RequestOutput
 from openk3.infer.sample import SamplingParams
 
 __all__ = ["LLM", "ChatResult", "resolve_checkpoint", "resolve_dtype"]
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-          "fp64": torch.float64, "float64": torch.float64}
-
 Prompt = str | Sequence[int]
-
-
-def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """None (keep the checkpoint's dtypes), a torch dtype, or a name such as "bf16" / "fp32"."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key in ("auto", "none", ""):
-        return None
-    if key not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of auto, bf16, fp16, fp32, fp64")
-    return DTYPES[key]
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
