@@ -196,11 +196,74 @@ def test_text_outside_channels_goes_to_content():
     assert (m["content"], m["problems"]) == ("x", [])  # whitespace between channels is dropped silently
 
 
-def test_leaked_and_malformed_tags_are_kept_as_text():
+def test_leaked_and_malformed_tags_are_dropped_with_their_text_in_problems():
     m = parse_completion("r<|close|>think<|sep|><|open|>response<|sep|>a<|open|>foo<|sep|>b<|close|>think<|sep|>c"
                          "<|open|>message role=\"user\"<|sep|>d<|sep|>e<|close|>response<|sep|><|close|>message<|sep|>")
-    assert m["content"] == ('a<|open|>foo<|sep|>b<|close|>think<|sep|>c<|open|>message role="user"<|sep|>d<|sep|>e')
-    assert codes(m) == ["malformed_tag", "stray_sep", "unexpected_tag", "unexpected_tag", "stray_sep"]
+    assert m["content"] == "abcde"
+    assert [(p["code"], p["text"]) for p in m["problems"]] == [
+        ("malformed_tag", "<|open|>foo<|sep|>"), ("unexpected_tag", "<|close|>think<|sep|>"),
+        ("unexpected_tag", '<|open|>message role="user"<|sep|>'), ("stray_sep", "<|sep|>")]
+
+
+# Protocol debris in both channels: a lone <|sep|>, a close tag of an unknown element, a close tag of
+# an element that is not open, an open tag the grammar does not allow there, a marker followed by
+# prose (the marker goes, the prose stays), an unknown tag with attributes, a tag cut by a marker.
+DEBRIS = ('a<|sep|>b<|close|>X<|sep|>c<|close|>argument<|sep|>d<|open|>call tool="f"<|sep|>e<|close|>X and f'
+          '<|open|>foo k="v"<|sep|>g<|open|>bar<|close|> h')
+DEBRIS_TEXT = "abcdeX and fg h"
+
+
+def _tokens(text: str) -> list[tuple[int, str]]:
+    """The completion as a tokenizer would give it: each marker as its control id, text as ordinary pieces."""
+    ids = {m: i for i, m in MARKER_IDS.items() if i != 163585}
+    out: list[tuple[int, str]] = []
+    rest = text
+    while rest:
+        hit = min(((rest.find(m), m) for m in MARKERS if m in rest), default=None)
+        if hit is None:
+            out.append((0, rest))
+            break
+        p, marker = hit
+        if p:
+            out.append((0, rest[:p]))
+        out.append((ids[marker], ""))
+        rest = rest[p + len(marker):]
+    return out
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_protocol_text_never_reaches_content_or_reasoning(thinking):
+    """Issue 15 A1: stray markers and tags are dropped (problems record them), whole text, streamed and by id."""
+    text = DEBRIS + ("<|close|>think<|sep|><|open|>response<|sep|>" + DEBRIS if thinking else "")
+    text += "<|close|>response<|sep|><|close|>message<|sep|>"
+    m = parse_completion(text, thinking)
+    if thinking:
+        assert (m["reasoning_content"], m["content"]) == (DEBRIS_TEXT, DEBRIS_TEXT)
+    else:
+        assert (m["reasoning_content"], m["content"]) == (None, DEBRIS_TEXT)
+    dropped = [p["text"] for p in m["problems"] if p["code"] in ("stray_sep", "malformed_tag", "unexpected_tag")]
+    assert dropped[:8] == ["<|sep|>", "<|close|>X<|sep|>", "<|close|>argument<|sep|>", '<|open|>call tool="f"<|sep|>',
+                           "<|close|>X ", '<|open|>foo k="v"<|sep|>', "<|open|>bar", "<|close|> "]
+    # streaming: every split in two (markers and tags cut anywhere) and single characters
+    for cut in range(len(text) + 1):
+        streamed, deltas = stream(text, [cut], thinking)
+        assert streamed == m, cut
+        assert_deltas_match(m, deltas)
+    streamed, deltas = stream(text, list(range(len(text))), thinking)
+    assert streamed == m
+    assert_deltas_match(m, deltas)
+    # token path: the same message (offsets count marker text, as in text mode)
+    assert parse_tokens(_tokens(text), thinking) == m
+
+
+def test_cli_parse_drops_a_stray_sep(monkeypatch, capsys):
+    """The reproduction from issue 15: `printf 'a<|sep|>b' | openk3 parse` used to print `a<|sep|>b`."""
+    from openk3.commands import parse as cmd
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("a<|sep|>b"))
+    assert cmd.main(argparse.Namespace(thinking=False, deltas=False, chunk=1, input=None)) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["content"] == "ab" and [p["code"] for p in out["problems"]] == ["stray_sep", "truncated"]
 
 
 def test_close_without_sep_is_accepted():
@@ -222,7 +285,8 @@ def test_close_without_sep_is_accepted():
     ('<|open|>argument key="k" type="string"<|sep|>1<|close|>argument<|sep|>'
      '<|open|>argument key="k" type="string"<|sep|>2<|close|>argument<|sep|>', '{"k": "1", "k": "2"}',
      "duplicate_argument"),
-    ('<|open|>argument type="string"<|sep|>v<|close|>argument<|sep|>', '{"": "v"}', "argument_missing_key"),
+    ('<|open|>argument type="string"<|sep|>v<|close|>argument<|sep|>'
+     '<|open|>argument key="a" type="number"<|sep|>1<|close|>argument<|sep|>', '{"a": 1}', "argument_missing_key"),
     ('<|open|>json type="object"<|sep|>raw<|close|>json<|sep|>'
      '<|open|>argument key="k" type="string"<|sep|>v<|close|>argument<|sep|>', "raw", "mixed_call_body"),
 ])
@@ -234,12 +298,36 @@ def test_argument_problems(body, arguments, problem):
 
 
 def test_call_attribute_problems():
-    m = parse_completion('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|>'
-                         '<|open|>call tool="g" index="7"<|sep|><|close|>call<|sep|>'
-                         '<|open|>call tool="h" index=2<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
-                         "<|close|>message<|sep|>")
-    assert [c["function"]["name"] for c in m["tool_calls"]] == ["", "g", "h"]
+    text = ('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call index="1"<|sep|><|close|>call<|sep|>'
+            '<|open|>call tool="g" index="7"<|sep|><|close|>call<|sep|>'
+            '<|open|>call tool="h" index=3<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+            "<|close|>message<|sep|>")
+    m = parse_completion(text)
+    assert [(c["id"], c["function"]["name"]) for c in m["tool_calls"]] == [("call_0", "g"), ("call_1", "h")]
     assert codes(m) == ["call_missing_tool", "call_index_mismatch", "bad_attributes"]
+    assert parse_tokens(_tokens(text)) == m
+
+
+def test_call_without_tool_and_argument_without_key_are_dropped():
+    """Issue 15 A1: no call named "" and no argument keyed "" reach the client, streamed or not."""
+    text = ('<|close|>think<|sep|><|open|>tools<|sep|><|open|>call index="1"<|sep|>'
+            '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>'
+            '<|open|>call tool="f" index="2"<|sep|><|open|>argument type="number"<|sep|>1<|close|>argument<|sep|>'
+            '<|open|>argument key="b" type="boolean"<|sep|>true<|close|>argument<|sep|><|close|>call<|sep|>'
+            '<|open|>call index="3"<|sep|><|open|>json type="object"<|sep|>{}<|close|>json<|sep|><|close|>call<|sep|>'
+            "<|close|>tools<|sep|><|close|>message<|sep|>")
+    m = parse_completion(text)
+    assert m["tool_calls"] == [{"id": "call_0", "type": "function",
+                                "function": {"name": "f", "arguments": '{"b": true}'}}]
+    assert [(p["code"], p["text"]) for p in m["problems"]] == [
+        ("call_missing_tool", '<|open|>call index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>x'),
+        ("argument_missing_key", '<|open|>argument type="number"<|sep|>1'),
+        ("call_missing_tool", '<|open|>call index="3"<|sep|><|open|>json type="object"<|sep|>{}')]
+    for cut in range(len(text) + 1):
+        streamed, deltas = stream(text, [cut])
+        assert streamed == m
+        assert_deltas_match(m, deltas)
+    assert parse_tokens(_tokens(text)) == m
 
 
 def test_text_after_end_and_feed_after_finish():
@@ -267,7 +355,8 @@ def test_token_mode_only_control_ids_are_structure():
 
 _FRAGMENTS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "tools", "message",
               'call tool="f" index="1"', 'argument key="k" type="string"', 'argument key="n" type="number"',
-              'json type="object"', "call", "argument", "json", "x", " ", '"', "<|", "|>", "{", "1", "é", "\n"]
+              'json type="object"', "call", "argument", "json", "x", " ", '"', "<|", "|>", "{", "1", "é", "\n",
+              'call index="1"', 'argument type="string"', "X"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -277,6 +366,7 @@ def test_never_raises_and_deltas_are_consistent(fragments, cuts, thinking):
     text = "".join(fragments)
     message, deltas = stream(text, [c for c in cuts if c <= len(text)], thinking)
     assert message == parse_completion(text, thinking)
+    assert message == parse_tokens(_tokens(text), thinking)  # the token-id path parses the same grammar
     assert_deltas_match(message, deltas)
     assert set(codes(message)) <= set(PROBLEM_CODES)
     if "json" not in text:

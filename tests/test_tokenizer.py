@@ -38,6 +38,7 @@ from openk3.tokenizer import (
     train_bpe,
     write_tiktoken_ranks,
 )
+from openk3.tokenizer.special import XTML_MARKERS, k3_special_flags, tokenizer_config
 from openk3.tokenizer.train import byte_level_decoder, hf_ranks, train_hf_bpe
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow],
@@ -444,13 +445,36 @@ def test_malformed_rank_file(tmp_path, lines, message):
     ('{"added_tokens_decoder": {"256": {"special": true}}}', r"needs a non-empty string 'content'"),
     ('{"added_tokens_decoder": {\n"300": {"content": "<|reserved_token_301|>"}}}',
      r"tokenizer_config\.json:2: .*clashes with the reserved name of id 301"),
-    ('{"added_tokens_decoder": {"256": {"content": "<|a|>"}, "257": {"content": "<|a|>x"}}}', r"is a prefix of"),
+    ('{"added_tokens_decoder": {"256": {"content": "<|a|>"}, "257": {"content": "<|a|>x"}, "258": {"content": '
+     '"<|open|>"}, "259": {"content": "<|close|>"}, "260": {"content": "<|sep|>"}, "261": {"content": '
+     '"<|end_of_msg|>"}}}', r"is a prefix of"),
 ])
 def test_malformed_tokenizer_config(tmp_path, config, message):
     (tmp_path / "tiktoken.model").write_text("\n".join(_byte_lines()) + "\n")
     (tmp_path / "tokenizer_config.json").write_text(config)
     with pytest.raises(ValueError, match=message):
         Tokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("marker", XTML_MARKERS)
+def test_config_without_a_chat_marker_is_refused(tmp_path, marker):
+    """Issue 15 A3: without e.g. <|sep|> in the file, the renderer's structure used to encode as plain bytes."""
+    specials = {name: i for name, i in k3_special_tokens(256).items() if name != marker}
+    (tmp_path / "tiktoken.model").write_text("\n".join(_byte_lines()) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(specials, k3_special_flags())))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: .*lacks the chat control token\(s\) "
+                                         + regex.escape(marker)):
+        Tokenizer.from_dir(tmp_path)
+    # the same file with the marker is accepted, and the marker is a control id
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(k3_special_tokens(256),
+                                                                                k3_special_flags())))
+    assert Tokenizer.from_dir(tmp_path).encode(marker, allow_special=True) == [k3_special_tokens(256)[marker]]
+
+
+def test_xtml_markers_are_the_renderers():
+    from openk3.chat.xtml import MARKERS
+
+    assert set(XTML_MARKERS) == set(MARKERS)
 
 
 def test_constructor_checks():

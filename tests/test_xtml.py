@@ -274,6 +274,58 @@ def test_content_parts_and_images():
         render({"messages": [user("no image here")], "image_prompts": ["p"]})
 
 
+def _placeholder_tokenizer():
+    """A real tokenizer (bytes + K3's block) in which the image placeholder is a special token, as in a
+    vision tokenizer: what matters is that user text can never produce that id."""
+    from openk3.chat.xtml import IMAGE_PLACEHOLDER
+    from openk3.tokenizer import Tokenizer, k3_special_tokens
+    from openk3.tokenizer.special import reserved_name
+
+    specials = {(IMAGE_PLACEHOLDER if name == reserved_name(256 + 30) else name): i
+                for name, i in k3_special_tokens(256).items()}
+    return Tokenizer({bytes([b]): b for b in range(256)}, specials, backend="python")
+
+
+def test_user_text_spelling_the_image_placeholder_stays_text():
+    """Issue 15 A3: only image parts become images; the placeholder typed as text is plain ids, with or
+    without image_prompts (it used to be expanded into the next image prompt)."""
+    from openk3.chat.xtml import IMAGE_PLACEHOLDER
+
+    tok = _placeholder_tokenizer()
+    image_id = tok.special_ids[IMAGE_PLACEHOLDER]
+    typed = f"look: {IMAGE_PLACEHOLDER}!"
+    parts = [{"type": "text", "text": typed}, {"type": "image_url", "image_url": {"url": "x"}}]
+    for content in (typed, [{"type": "text", "text": typed}]):
+        ids, _ = encode_segments(render({"messages": [user(content)]}), tok)
+        assert image_id not in ids and tok.encode(typed) == list(typed.encode())
+        assert typed.encode() in bytes(i for i in ids if i < 256)
+    segs = render({"messages": [user(parts)]})
+    ids, _ = encode_segments(segs, tok)
+    assert ids.count(image_id) == 1 == sum(s.text == IMAGE_PLACEHOLDER for s in segs if s.structural)
+    prompt = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+    segs = render({"messages": [user(parts)], "image_prompts": [prompt]})
+    assert [s for s in segs if s.text == prompt] == [Segment(prompt, True, False)]
+    assert Segment(typed, False, False) in segs
+    ids, _ = encode_segments(segs, tok)
+    assert image_id not in ids and ids.count(tok.special_ids["<|media_pad|>"]) == 1
+    with pytest.raises(ValueError, match="1 image_prompts given but 0 images"):
+        render({"messages": [user(typed)], "image_prompts": [prompt]})
+
+
+@pytest.mark.parametrize("extra", [{}, {"name": "ops"}, {"tools": [WEATHER]}])
+def test_developer_role_renders_as_system(extra):
+    """Issue 15 A2: OpenAI clients send the system prompt as role "developer"."""
+    def request(role):
+        return {"messages": [{"role": role, "content": [{"type": "text", "text": "Be brief."}], **extra},
+                             user("hi")], "tools": [WEATHER]}
+
+    segs = render(request("developer"))
+    assert segs == render(request("system"))
+    assert ('role="system"' in render_text(segs)) and "developer" not in render_text(segs)
+    tok = _placeholder_tokenizer()
+    assert encode_segments(segs, tok) == encode_segments(render(request("system")), tok)
+
+
 # ------------------------------------------------------------------------------------------- segments
 
 
@@ -415,7 +467,8 @@ def test_effort_errors(request_, match):
 
 @pytest.mark.parametrize("request_, match", [
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "developer", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "unsupported role 'function'"),
+    ({"messages": [{"role": ["system"], "content": "x"}]}, "unsupported role"),
     ({"messages": [{"content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": 5}]}, "content"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},

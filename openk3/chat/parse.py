@@ -15,8 +15,10 @@ exact path: a marker counts only when it arrived as its control token id, so tex
 spells `<|open|>` stays text. Fed plain text, markers are found by scanning, which cannot tell a
 real marker from one the model wrote out as ordinary characters.
 
-Nothing here raises on model output. Text that is not recognisable structure stays in the channel
-it appeared in; every deviation from the grammar is recorded in `problems` (see PROBLEM_CODES).
+Nothing here raises on model output, and no protocol text ever reaches `content` or
+`reasoning_content`: a marker, tag or tool call the grammar does not allow where it appears is
+dropped and recorded in `problems` (with its text; see PROBLEM_CODES). Ordinary text that is not
+structure stays in the channel it appeared in.
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ MARKER_IDS = {163585: END_OF_MSG, 163586: END_OF_MSG, 163587: OPEN, 163588: CLOS
 PROBLEM_CODES = {
     "unclosed": "an element was closed implicitly (by a later tag, the message close or <|end_of_msg|>)",
     "truncated": "the output ended before the message was closed (open elements are closed for you)",
-    "unexpected_tag": "a well-formed tag where the grammar does not allow it; its text is kept in place",
-    "malformed_tag": "<|open|>/<|close|> not followed by a known tag name and <|sep|>; its text is kept",
+    "unexpected_tag": "a well-formed tag where the grammar does not allow it; dropped (text in problem)",
+    "malformed_tag": "<|open|>/<|close|> not followed by a known tag name and <|sep|>; the marker (and a "
+                     "tag-shaped header) dropped, text that cannot be a tag header kept (text in problem)",
     "missing_sep": "a close tag without its <|sep|>; accepted as the close",
-    "stray_sep": "a <|sep|> outside a tag; kept as text",
+    "stray_sep": "a <|sep|> outside a tag; dropped",
     "text_outside_channel": "non-whitespace text between channels; appended to content",
     "channel_order": "think/response/tools out of order or repeated; parsed anyway",
     "bad_attributes": "a tag whose attributes do not follow key=\"value\"; read leniently",
-    "call_missing_tool": "a call without a tool= attribute (name is empty)",
+    "call_missing_tool": "a call without a tool= attribute; the call is dropped (text in problem)",
     "call_index_mismatch": "a call's index= differs from its position",
-    "argument_missing_key": "an argument without key= (key is empty)",
+    "argument_missing_key": "an argument without key=; the argument is dropped (text in problem)",
     "unknown_argument_type": "type= is not string/number/boolean/null/object/array; parsed as JSON if it is",
     "invalid_argument_json": "a non-string argument whose text is not JSON; kept as a string",
     "argument_type_mismatch": "an argument's JSON value does not match its type=; value kept",
@@ -60,6 +63,10 @@ _ARG_TYPES = {"string": (str,), "number": (int, float), "boolean": (bool,), "nul
               "object": (dict,), "array": (list,)}
 _MAX_HEADER = 4096
 _ATTR = re.compile(r'\s*([^\s="]+)="([^"]*)"')
+# What can still become a tag header, used to tell tag-shaped debris (dropped whole) from text that
+# merely follows a stray marker (kept): a name, then (open tags) key="value" attributes.
+_NAME_PREFIX = re.compile(r"(?:[A-Za-z_][\w.:-]{0,63})?")
+_ATTRS_PREFIX = re.compile(r'(?:\s*[^\s="]+="[^"]*")*\s*(?:[^\s="]+(?:=(?:"[^"]*)?)?)?')
 _ENTITY = re.compile(r"&(amp|quot);")
 
 
@@ -148,7 +155,9 @@ class StreamParser:
         self._stray_live = False  # inside a run of stray text already reported and emitted as content
         self._reasoning: list[str] = []
         self._content: list[str] = []
-        self._calls: list[dict] = []
+        self._calls: list[dict] = []  # the calls of the message (dropped ones are not here)
+        self._call: dict | None = None  # the call being parsed, dropped or not
+        self._call_tags = 0  # call tags seen, for the index= check
         self._arg: dict | None = None
         self._trailing: dict | None = None
         self.problems: list[dict] = []
@@ -266,10 +275,12 @@ class StreamParser:
                 if bad is None:
                     tag["text"] = header
                     return
+                # Not a tag after all: the marker is protocol debris and goes; what follows it is text
+                # the model wrote, so it stays in the channel.
                 self._tag = None
-                self._problem("malformed_tag", f"not a known {tag['kind']} tag", tag["raw"] + header[:bad + 1],
-                              offset=tag["start"])
-                self._text(tag["raw"] + header)
+                self._problem("malformed_tag", f"{tag['raw']} not followed by a tag; marker dropped",
+                              tag["raw"] + header[:bad + 1], offset=tag["start"])
+                self._text(header)
                 return
             self._tag = None
             if value == SEP:
@@ -279,11 +290,8 @@ class StreamParser:
                 self._problem("missing_sep", f"{tag['text']} closed without <|sep|>", offset=tag["start"])
                 self._close(tag["text"], tag["raw"] + tag["text"])
             else:
-                self._problem("malformed_tag", f"{tag['kind']} tag interrupted by {value}", tag["raw"] + tag["text"],
-                              offset=tag["start"])
-                self._pos = start  # the tag's text ends where this marker begins
-                self._text(tag["raw"] + tag["text"])
-                self._pos += len(value)
+                self._problem("malformed_tag", f"{tag['kind']} tag interrupted by {value}; dropped",
+                              tag["raw"] + tag["text"], offset=tag["start"])
         if self._ended:
             if value == END_OF_MSG and kind == "marker" and not self._eom_seen and self._trailing is None:
                 self._eom_seen = True
@@ -296,22 +304,29 @@ class StreamParser:
         elif value == END_OF_MSG:
             self._end_of_message()
         else:
-            self._problem("stray_sep", "<|sep|> outside a tag")
-            self._text(value)
+            self._problem("stray_sep", "<|sep|> outside a tag; dropped", value, offset=start)
 
     @staticmethod
     def _first_bad(kind: str, header: str) -> int | None:
-        """Index of the first character that stops `header` from beginning a known tag (None: still can)."""
-        name, space, _ = header.partition(" ")
-        if kind == "close" and space:
-            name = header
-        for i in range(len(name)):
-            if not any(t.startswith(name[:i + 1]) for t in _TAGS):
-                return i
+        """Index of the first character that stops `header` from beginning a tag (None: still can).
+
+        A tag is a name (`_NAME_PREFIX`), for open tags followed by attributes: read leniently after a
+        known name, required to be key="value" after an unknown one (so that a marker followed by
+        prose is told apart quickly, while `<|close|>X<|sep|>` is still recognised as a tag to drop).
+        Once a header is bad every extension of it is bad, so chunking never changes the outcome.
+        """
+        name, space, rest = header.partition(" ")
+        end = _NAME_PREFIX.match(name).end()
+        if end < len(name):
+            return end
         if not space:
             return None
-        if kind == "close" or name not in _TAGS:
+        if kind == "close" or not name:
             return len(name)
+        if name not in _TAGS:
+            end = _ATTRS_PREFIX.match(rest).end()
+            if end < len(rest):
+                return len(name) + 1 + end
         return _MAX_HEADER if len(header) > _MAX_HEADER else None
 
     def _tag_done(self, tag: dict) -> None:
@@ -320,13 +335,11 @@ class StreamParser:
             if tag["text"] in _TAGS:
                 self._close(tag["text"], raw)
             else:
-                self._problem("malformed_tag", "not a known close tag", raw)
-                self._text(raw)
+                self._problem("malformed_tag", "not a known close tag; dropped", raw, offset=tag["start"])
             return
         name, _, rest = tag["text"].partition(" ")
         if name not in _TAGS:
-            self._problem("malformed_tag", "not a known open tag", raw)
-            self._text(raw)
+            self._problem("malformed_tag", "not a known open tag; dropped", raw, offset=tag["start"])
             return
         attrs: dict[str, str] = {}
         pos = 0
@@ -359,7 +372,7 @@ class StreamParser:
             else:
                 self._emit_args(arg["call"], _json_string_body(text))
         elif top == "json":
-            call = self._calls[-1]
+            call = self._call
             if call.get("discard_json"):
                 call["discarded"].append(text)
             else:
@@ -401,8 +414,7 @@ class StreamParser:
         level = next((k for k in range(len(self._stack) - 1, -1, -1) if name in _CHILDREN.get(self._stack[k], ())),
                      None)
         if level is None:
-            self._problem("unexpected_tag", f"<|open|>{name} is not allowed inside {top}", raw)
-            self._text(raw)
+            self._problem("unexpected_tag", f"<|open|>{name} is not allowed inside {top}; dropped", raw)
             return
         while len(self._stack) > level + 1:
             self._problem("unclosed", f"{self._stack[-1]} closed implicitly by <|open|>{name}")
@@ -414,15 +426,16 @@ class StreamParser:
                 self._problem("channel_order", f"{name} after {self._channels[-1]}")
             self._channels.append(name)
         elif name == "call":
-            self._start_call(attrs)
+            self._start_call(attrs, raw)
         elif name == "argument":
             self._start_argument(attrs, raw)
         elif name == "json":
-            call = self._calls[-1]
-            if call["mode"] is None:
+            call = self._call
+            if call["mode"] is None and not call["dropped"]:
                 call["mode"] = "raw"
             else:
-                self._problem("mixed_call_body", f"json block in a call that already has {call['mode']} children")
+                if not call["dropped"]:  # a dropped call was reported as a whole
+                    self._problem("mixed_call_body", f"json block in a call that already has {call['mode']} children")
                 call["discard_json"] = True
                 call["discarded"] = [raw]
 
@@ -436,8 +449,7 @@ class StreamParser:
             self._ended = True
             return
         if name not in self._stack[1:]:
-            self._problem("unexpected_tag", f"<|close|>{name} with no open {name}", raw)
-            self._text(raw)
+            self._problem("unexpected_tag", f"<|close|>{name} with no open {name}; dropped", raw)
             return
         while self._stack[-1] != name:
             self._problem("unclosed", f"{self._stack[-1]} closed implicitly by <|close|>{name}")
@@ -459,39 +471,60 @@ class StreamParser:
         elif name == "call":
             self._end_call()
         elif name == "json":
-            call = self._calls[-1]
+            call = self._call
             if call.pop("discard_json", False):
-                self._problem("mixed_call_body", "dropped json block", "".join(call.pop("discarded")))
+                discarded = "".join(call.pop("discarded"))
+                if call["dropped"]:
+                    call["dropped"]["text"] += discarded
+                else:
+                    self._problem("mixed_call_body", "dropped json block", discarded)
 
     # ---------------------------------------------------------------------------------- tool calls
 
-    def _start_call(self, attrs: dict[str, str]) -> None:
+    def _start_call(self, attrs: dict[str, str], raw: str) -> None:
+        self._call_tags += 1
         n = len(self._calls)
         name = attrs.get("tool")
+        call = {"n": n, "name": name, "arguments": "", "mode": None, "keys": set(), "dropped": None}
+        self._call = call
         if name is None:
-            self._problem("call_missing_tool", f"call {n} has no tool attribute")
-            name = ""
-        if attrs.get("index") not in (None, str(n + 1)):
-            self._problem("call_index_mismatch", f"call {n} has index={attrs['index']!r}, expected {n + 1}")
-        call = {"n": n, "id": self._call_id(n, name), "name": name, "arguments": "", "mode": None, "keys": set()}
+            # A call nobody can dispatch: emitting it with name "" would hand clients a call to an empty
+            # tool. Its body is swallowed into the problem's text instead.
+            call["dropped"] = self._problem("call_missing_tool", f"call tag {self._call_tags} has no tool "
+                                            "attribute; dropped", raw)
+            return
+        if attrs.get("index") not in (None, str(self._call_tags)):
+            self._problem("call_index_mismatch", f"call {n} has index={attrs['index']!r}, "
+                          f"expected {self._call_tags}")
+        call["id"] = self._call_id(n, name)
         self._calls.append(call)
         self._out.append({"tool_calls": [{"index": n, "id": call["id"], "type": "function",
                                           "function": {"name": name, "arguments": ""}}]})
 
     def _start_argument(self, attrs: dict[str, str], raw: str) -> None:
-        call = self._calls[-1]
+        call = self._call
         key = attrs.get("key")
-        if key is None:
-            self._problem("argument_missing_key", f"argument of call {call['n']} has no key")
-            key = ""
         kind = attrs.get("type", "string")
+        # report: for a dropped argument, the problem whose text collects it, or "mixed" (reported at its end)
+        arg = {"call": call, "key": key, "type": kind, "string": kind == "string", "buf": [], "discard": False,
+               "report": call["dropped"]}
+        self._arg = arg
+        if call["dropped"]:
+            arg["discard"] = True
+            arg["buf"].append(raw)
+            return
+        if key is None:
+            arg["report"] = self._problem("argument_missing_key", f"argument of call {call['n']} has no key; "
+                                          "dropped", "")
+            arg["discard"] = True
+            arg["buf"].append(raw)
+            return
         if kind not in _ARG_TYPES:
             self._problem("unknown_argument_type", f"argument {key!r} has type={kind!r}")
-        arg = {"call": call, "key": key, "type": kind, "string": kind == "string", "buf": [], "discard": False}
-        self._arg = arg
         if call["mode"] == "raw":
             self._problem("mixed_call_body", "argument in a call that already has a json block")
             arg["discard"] = True
+            arg["report"] = "mixed"
             arg["buf"].append(raw)
             return
         if key in call["keys"]:
@@ -505,7 +538,10 @@ class StreamParser:
         arg, self._arg = self._arg, None
         call = arg["call"]
         if arg["discard"]:
-            self._problem("mixed_call_body", "dropped argument", "".join(arg["buf"]))
+            if arg["report"] == "mixed":
+                self._problem("mixed_call_body", "dropped argument", "".join(arg["buf"]))
+            else:
+                arg["report"]["text"] += "".join(arg["buf"])
             return
         if arg["string"]:
             self._emit_args(call, '"')
@@ -527,7 +563,9 @@ class StreamParser:
         self._emit_args(call, _dumps(value))
 
     def _end_call(self) -> None:
-        call = self._calls[-1]
+        call, self._call = self._call, None
+        if call["dropped"]:
+            return
         if call["mode"] == "args":
             self._emit_args(call, "}")
         elif call["mode"] is None:

@@ -40,6 +40,9 @@ THINKING_EFFORTS = ("low", "high", "max")
 #: The HF tokenizer's apply_chat_template does `kwargs.setdefault("thinking_effort", "max")`.
 DEFAULT_THINKING_EFFORT = "max"
 ROLES = ("system", "user", "assistant", "tool")
+#: Roles OpenAI clients send that K3 has no tag for, and the role they render as. OpenAI's `developer`
+#: is its newer name for the system prompt; rendering it as `system` is what the model was trained on.
+ROLE_ALIASES = {"developer": "system"}
 
 _THINKING_EFFORT_BODY = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), "
@@ -172,16 +175,9 @@ class _Out:
         self.images_used += 1
 
     def text(self, text: Any) -> None:
-        """Caller text; with image_prompts given, each placeholder in it is replaced by the next prompt."""
-        text = str(text)
-        if self.image_prompts is None or IMAGE_PLACEHOLDER not in text:
-            self.add(text)
-            return
-        parts = text.split(IMAGE_PLACEHOLDER)
-        for i, part in enumerate(parts):
-            self.add(part)
-            if i < len(parts) - 1:
-                self.image()
+        """Caller text, always plain: only image *parts* become images. A user who types the image
+        placeholder must not conjure an image slot (nor shift which image prompt goes where)."""
+        self.add(str(text))
 
     def content(self, content: Any, where: str) -> None:
         if content is None:
@@ -428,8 +424,10 @@ def render(request: dict) -> list[Segment]:
     for k, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise ValueError(f"messages[{k}] must be an object")
-        if msg.get("role") not in ROLES:
-            raise ValueError(f"messages[{k}]: unsupported role {msg.get('role')!r} (K3 knows {', '.join(ROLES)})")
+        role = msg.get("role")
+        if not (isinstance(role, str) and (role in ROLES or role in ROLE_ALIASES)):
+            raise ValueError(f"messages[{k}]: unsupported role {msg.get('role')!r} (K3 knows {', '.join(ROLES)}; "
+                             f"{', '.join(f'{a} renders as {r}' for a, r in ROLE_ALIASES.items())})")
     thinking, effort = resolve_thinking(request)
     add_generation_prompt = _pick(request, ("add_generation_prompt",), "add_generation_prompt values")
     add_generation_prompt = True if add_generation_prompt is _UNSET else bool(add_generation_prompt)
@@ -450,7 +448,7 @@ def render(request: dict) -> list[Segment]:
     last_calls: list | None = None
     tool_index = 0
     for k, msg in enumerate(order_tool_results(messages)):
-        role, where = msg["role"], f"messages[{k}]"
+        role, where = ROLE_ALIASES.get(msg["role"], msg["role"]), f"messages[{k}]"
         if role in ("user", "system"):
             if role == "system" and msg.get("tools"):  # dynamic (lazy-loaded) tools; content is not rendered
                 out.open_tag("message", [("role", "system"), ("type", "tool-declare")])

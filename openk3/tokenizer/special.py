@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 
 __all__ = [
-    "K3_NAMED_SPECIALS", "K3_NUM_RANKS", "NUM_RESERVED", "added_tokens_decoder", "k3_special_flags",
+    "K3_NAMED_SPECIALS", "K3_NUM_RANKS", "NUM_RESERVED", "XTML_MARKERS", "added_tokens_decoder", "k3_special_flags",
     "k3_special_tokens", "parse_tokenizer_config", "reserved_name", "tokenizer_config",
 ]
 
@@ -44,6 +44,11 @@ K3_NAMED_SPECIALS: tuple[tuple[int, str, bool], ...] = (
     (254, "[UNK]", True),
     (255, "[PAD]", True),
 )
+
+# The control tokens the XTML chat renderer emits as structure (openk3.chat.xtml.MARKERS). A
+# tokenizer without one of them would encode that structure as plain bytes -- a prompt the model
+# never saw, with no error -- so loading such a tokenizer_config.json is refused.
+XTML_MARKERS = ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")
 
 # Extra keys written to tokenizer_config.json (the HF-facing part of the K3 file).
 _CONFIG_DEFAULTS = {
@@ -109,7 +114,8 @@ def parse_tokenizer_config(text: str, num_ranks: int, path: str = "tokenizer_con
     the other top-level keys). Names come from `added_tokens_decoder`; ids it does not name get
     `<|reserved_token_{id}|>`. Raises ValueError naming `path` (and the line where it can) when the
     JSON is malformed or a special id is below `num_ranks` (collides with a rank), outside the
-    256-id block, or a name is used twice.
+    256-id block, or a name is used twice, and when `added_tokens_decoder` lacks one of the
+    XTML_MARKERS the chat renderer needs.
     """
     try:
         cfg = json.loads(text)
@@ -153,5 +159,10 @@ def parse_tokenizer_config(text: str, num_ranks: int, path: str = "tokenizer_con
             raise ValueError(f"{path}:{_line_of(text, str(a))}: special token {name!r} (id {a}) clashes with "
                              f"the reserved name of id {b}")
         specials[name] = i
+    missing = [m for m in XTML_MARKERS if m not in specials]
+    if missing:
+        raise ValueError(f"{path}: added_tokens_decoder lacks the chat control token(s) {', '.join(missing)}: "
+                         f"K3's chat format needs {', '.join(XTML_MARKERS)} as special ids (without them the "
+                         "prompt structure would be encoded as plain text)")
     extra = {k: v for k, v in cfg.items() if k != "added_tokens_decoder"}
     return specials, flags, extra
