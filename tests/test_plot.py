@@ -1,179 +1,195 @@
-"""openk3.plot: the PNG writer (decoded back here), the bitmap font, line charts, formatters, no torch."""
+"""The matplotlib charts: the trainer's loss.png (openk3/train/metrics.py) and the planner's memory-vs-context
+chart (openk3/plan/report.py, `openk3 plan --plot`). Each is built as a Figure whose texts and artists are
+inspected here, then written as a PNG that is decoded back."""
 
 from __future__ import annotations
 
 import math
-import string
-import struct
 import subprocess
 import sys
-import zlib
 
 import pytest
+from matplotlib.collections import PolyCollection
+from matplotlib.figure import Figure
+from matplotlib.text import Text
+from PIL import Image
 
-from openk3.plot import (
-    GLYPHS,
-    PALETTE,
-    Canvas,
-    Series,
-    chart_png,
-    format_bytes,
-    format_number,
-    lighter,
-    line_chart,
-    text_width,
-)
-
-SIG = b"\x89PNG\r\n\x1a\n"
-FONT_SET = string.ascii_letters + string.digits + " .,:;-+_/()[]%=<>x*'|#&?"
+from openk3.plan import ServeSpec, hardware, plan, report, serve
+from openk3.plan.models import preset
+from openk3.train import metrics
+from openk3.train.metrics import TRAIN_COLOR, VAL_COLOR, loss_figure, plot_losses
 
 
-def decode(png: bytes) -> tuple[int, int, list[bytes]]:
-    """(width, height, rows of RGB bytes) of an 8-bit RGB PNG whose scanlines all use filter 0."""
-    assert png[:8] == SIG
-    pos, idat, w = 8, b"", None
-    while pos < len(png):
-        n, tag = struct.unpack(">I4s", png[pos:pos + 8])
-        data = png[pos + 8:pos + 8 + n]
-        assert struct.unpack(">I", png[pos + 8 + n:pos + 12 + n])[0] == zlib.crc32(tag + data) & 0xFFFFFFFF
-        if tag == b"IHDR":
-            w, h, depth, ctype, _, _, _ = struct.unpack(">IIBBBBB", data)
-            assert (depth, ctype) == (8, 2)
-        elif tag == b"IDAT":
-            idat += data
-        pos += 12 + n
-    raw = zlib.decompress(idat)
-    stride = 1 + 3 * w
-    assert len(raw) == stride * h
-    assert all(raw[y * stride] == 0 for y in range(h))
-    return w, h, [raw[y * stride + 1:(y + 1) * stride] for y in range(h)]
+def texts(fig: Figure) -> list[str]:
+    """Every non-empty text drawn in the figure: titles, axis labels, tick labels, legend entries, notes."""
+    return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
 
 
-def colors(png: bytes) -> set[tuple[int, int, int]]:
-    _, _, rows = decode(png)
-    return {tuple(row[i:i + 3]) for row in rows for i in range(0, len(row), 3)}
+def legend(fig: Figure) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
-LINE = [(1.0, 2.0), (2.0, 4.0), (3.0, 3.0), (4.0, 6.0)]
+def png_size(path) -> tuple[int, int]:
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        img.verify()  # a truncated or corrupt file raises here
+        return img.size
 
 
-def test_png_signature_and_size():
-    png = chart_png([Series("a", LINE)], width=321, height=207)
-    assert png[:8] == SIG and png[12:16] == b"IHDR"
-    assert struct.unpack(">II", png[16:24]) == (321, 207)
-    w, h, rows = decode(png)
-    assert (w, h, len(rows)) == (321, 207, 207)
+# ---- loss.png -------------------------------------------------------------------------------------------
+
+TRAIN = {s: 1.6 + 5 * math.exp(-s / 30) + 0.05 * math.sin(s) for s in range(1, 121)}
+VAL = {40: 2.0, 80: 1.75, 120: 1.66}
 
 
-def test_series_colours():
-    png = chart_png([Series("mine", LINE, color=(10, 200, 30)), Series("default", [(x, y + 1) for x, y in LINE])])
-    cs = colors(png)
-    assert (10, 200, 30) in cs and PALETTE[1] in cs
+def test_loss_figure_title_labels_legend():
+    fig = loss_figure(TRAIN, VAL)
+    ax = fig.axes[0]
+    assert ax.get_title() == "Training loss"
+    assert ax.get_xlabel() == "step" and ax.get_ylabel() == "loss (nats per token)"
+    assert legend(fig) == ["train loss", "train loss (moving average)", "validation loss (last 1.660 at step 120)"]
+    raw, smooth, val = ax.get_lines()
+    assert list(raw.get_xdata()) == list(TRAIN) and list(raw.get_ydata()) == list(TRAIN.values())
+    assert list(val.get_xdata()) == [40, 80, 120] and val.get_marker() == "o"
+    assert (raw.get_color(), smooth.get_color(), val.get_color()) == (TRAIN_COLOR, TRAIN_COLOR, VAL_COLOR)
+    assert ax.get_xscale() == ax.get_yscale() == "linear"  # as the hand-drawn chart had
 
 
-def test_filled_area_uses_lighter_colour():
-    col = (200, 40, 120)
-    base = [(x, 0.0) for x, _ in LINE]
-    assert lighter(col) not in colors(chart_png([Series("line", LINE, color=col)]))
-    cs = colors(chart_png([Series("area", LINE, color=col, fill_to=base)]))
-    assert col in cs and lighter(col) in cs
+def test_loss_figure_short_run_and_bad_values():
+    train = {1: 6.0, 2: math.nan, 3: 5.5, 4: math.inf}
+    fig = loss_figure(train, {3: -math.inf})
+    (line,) = fig.axes[0].get_lines()  # no moving average under 20 points, no validation line without a value
+    assert list(line.get_xdata()) == [1, 3] and list(line.get_ydata()) == [6.0, 5.5]
+    assert legend(fig) == ["train loss"]
+    (dot,) = loss_figure({7: 6.0}, {}).axes[0].get_lines()
+    assert dot.get_marker() == "o"  # a single step is still visible
+    empty = loss_figure({}, {})
+    assert "no finite loss logged yet" in texts(empty) and "Training loss" in texts(empty)
 
 
-def test_hline_colour_and_range():
-    cs = colors(chart_png([Series("a", LINE)], hlines=[("limit", 100.0, (5, 6, 250))]))
-    assert (5, 6, 250) in cs  # drawn even though far above the data (the y range grows to include it)
+def test_smoothing_does_not_lag():
+    """A centred window reproduces a straight line exactly away from its ends (an EMA would trail it)."""
+    line = [10.0 - 0.01 * i for i in range(500)]
+    smooth = metrics._smooth(line)
+    assert len(smooth) == 500
+    assert smooth[5:-5] == pytest.approx(line[5:-5])
+    assert metrics._smooth([1.0, 3.0]) == [2.0, 2.0]  # short input: the window shrinks to what there is
 
 
-def test_glyphs_render_and_differ():
-    def draw(s: str, scale: int = 1) -> bytes:
-        c = Canvas(16, 16)
-        c.text(2, 2, s, scale=scale)
-        return bytes(c.px)
-
-    blank = bytes(Canvas(16, 16).px)
-    assert draw("A") != draw("B")
-    seen = {}
-    for ch in dict.fromkeys(FONT_SET):  # "x" is listed twice (letter and times sign)
-        img = draw(ch)
-        assert (img == blank) == (ch == " "), repr(ch)
-        assert img not in seen, f"{ch!r} looks like {seen.get(img)!r}"
-        seen[img] = ch
-    assert draw("\u00e9") == draw("?") and draw("\t") == draw("?")  # fallback
-    assert set(FONT_SET) <= set(GLYPHS)
-    assert text_width("abc") == 17 and text_width("abc", 2) == 34 and text_width("") == 0
+def test_plot_losses_png(tmp_path):
+    path = tmp_path / "loss.png"
+    plot_losses(TRAIN, VAL, str(path))
+    assert png_size(path) == (640, 400)  # what tests/test_trainer.py checks of a run's loss.png
+    with Image.open(path) as img:
+        colours = {c for _, c in img.convert("RGB").getcolors(maxcolors=1 << 20)}
+    assert (0xD6, 0x27, 0x28) in colours and (255, 255, 255) in colours  # the validation line, the background
+    assert [p.name for p in tmp_path.iterdir()] == ["loss.png"]
+    plot_losses({1: 1.0}, {}, str(path), width=800, height=500)  # overwrite in place
+    assert png_size(path) == (800, 500) and [p.name for p in tmp_path.iterdir()] == ["loss.png"]
 
 
-def test_text_scale_and_vertical():
-    c = Canvas(40, 40)
-    assert c.text(0, 0, "I", scale=2) == 10
-    assert c.get(2, 0) == (0, 0, 0) and c.get(3, 1) == (0, 0, 0)  # the 2x2 block of the top bar's first pixel
-    v = Canvas(40, 40)
-    v.text(0, 39, "L", vertical=True)  # reads upwards: the stem lies along the bottom row, the foot at x=6
-    assert v.get(0, 39) == (0, 0, 0) and v.get(6, 39) == (0, 0, 0) and v.get(6, 35) == (0, 0, 0)
+def test_failed_render_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "loss.png"
+    plot_losses(TRAIN, VAL, str(path))
+    before = path.read_bytes()
+
+    def broken(self, *a, **k):
+        raise RuntimeError("renderer failed")
+
+    monkeypatch.setattr(Figure, "savefig", broken)
+    with pytest.raises(RuntimeError):
+        plot_losses({1: 2.0}, {}, str(path))
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["loss.png"]
 
 
-def test_rect_and_polygon():
-    c = Canvas(20, 20)
-    c.rect(15, 12, 5, 2, (1, 2, 3))
-    assert c.get(5, 2) == c.get(15, 12) == (1, 2, 3) and c.get(4, 2) == c.get(16, 12) == (255, 255, 255)
-    c.rect(-5, -5, 100, 0, (9, 9, 9))  # clipped
-    assert c.get(0, 0) == c.get(19, 0) == (9, 9, 9)
-    p = Canvas(20, 20)
-    p.fill_between([(0, 5), (19, 5)], [(0, 15), (19, 15)], (7, 7, 7))
-    assert p.get(10, 10) == (7, 7, 7) and p.get(10, 3) == (255, 255, 255) and p.get(10, 17) == (255, 255, 255)
+def test_failed_write_leaves_no_temporary(tmp_path, monkeypatch):
+    path = tmp_path / "loss.png"
+
+    def full_disk(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(metrics.os, "replace", full_disk)
+    with pytest.raises(OSError):
+        plot_losses(TRAIN, VAL, str(path))
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_log_axes_skip_bad_values():
-    good = [(1.0, 1.0), (10.0, 10.0), (100.0, 100.0)]
-    bad = [(0.0, 5.0), (-3.0, 2.0)] + good + [(1000.0, -3.0), (2000.0, 0.0), (math.nan, 2.0), (50.0, math.inf)]
-    kw = dict(x_log=True, y_log=True, hlines=[("zero", 0.0, (1, 1, 1)), ("ten", 10.0, (2, 2, 2))])
-    assert chart_png([Series("s", bad)], **kw) == chart_png([Series("s", good)], **kw)
-    # nothing drawable at all, an area whose floor is 0 on a log axis: no crash
-    decode(chart_png([Series("none", [(0.0, -1.0), (math.nan, 1.0)])], x_log=True, y_log=True))
-    col = (0, 128, 255)
-    area = chart_png([Series("area", good, color=col, fill_to=[(x, 0.0) for x, _ in good])], x_log=True, y_log=True)
-    assert lighter(col) in colors(area)
-    decode(chart_png([], x_log=True))
-    decode(chart_png([Series("flat", [(1.0, 3.0), (2.0, 3.0)])]))
+# ---- the planner's memory chart ---------------------------------------------------------------------------
+
+def _k3_b300(concurrency: int = 8, context: int = 131072):
+    spec = ServeSpec(context=context, concurrency=concurrency)
+    return plan("k3", hardware_key="b300", serve_spec=spec), preset("k3"), hardware.get("b300"), spec
 
 
-def test_line_chart_atomic(tmp_path):
-    path = tmp_path / "chart.png"
-    kw = dict(title="Memory vs context", x_label="context", y_label="bytes", x_log=True, y_format=format_bytes,
-              hlines=[("8x H100 memory", 640e9, (0, 0, 0))])
-    series = [Series("weights", [(1024.0, 1e11), (2.0 ** 20, 1e11)], fill_to=[(1024.0, 0.0), (2.0 ** 20, 0.0)])]
-    line_chart(path, series, **kw)
-    assert [p.name for p in tmp_path.iterdir()] == ["chart.png"]
-    assert path.read_bytes() == chart_png(series, **kw)
-    line_chart(str(path), series, **kw)  # overwrite, str path
-    assert [p.name for p in tmp_path.iterdir()] == ["chart.png"]
+def test_memory_figure_stacks_on_a_log_axis():
+    r, cfg, hw, spec = _k3_b300()
+    fig = report.memory_figure(r, cfg, hw, spec)
+    ax = fig.axes[0]
+    assert ax.get_title() == "k3 on 8x b300: memory vs context, 8 sequences"
+    assert ax.get_xlabel() == "context per sequence (tokens, log scale)"
+    assert ax.get_ylabel() == "memory of the whole deployment"
+    assert ax.get_xscale() == "log" and ax.get_yscale() == "linear"
+    assert legend(fig) == ["weights", "activations", "KDA state", "MLA cache (x8 TP copies)",
+                           "8x b300 usable (90%): 2.07 TB", "8x b300 memory: 2.3 TB", "planned context (128K)"]
+    ticks = [t.get_text() for t in ax.get_xticklabels()]
+    assert ticks == ["1K", "4K", "16K", "64K", "256K", "1M"]
+    assert "2 TB" in [t.get_text() for t in ax.get_yticklabels()]
+    # four stacked areas; the top of the last is the planner's budget (the fullest device x devices)
+    areas = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(areas) == 4
+    lay = serve.Layout(**r["deployment"]["layout"])
+    rows = report.memory_curve(cfg, spec, [cfg.max_position_embeddings], lay)
+    peak = max(v[1] for v in areas[-1].get_paths()[0].vertices)
+    assert peak == pytest.approx(sum(rows[0][k] for k in ("weights", "activations", "kda_state", "mla_cache")))
+    assert r["deployment"]["per_device_bytes"]["total"] * lay.devices < peak  # 1M tokens does not fit
+    # where the stack crosses the usable line is marked, and agrees with the planner's own fit test
+    assert "fits up to 278.6K tokens" in texts(fig)  # 285,323 tokens
+    for context, fits in ((285_323, True), (285_324, False)):
+        at = ServeSpec(context=context, concurrency=8, devices=8)
+        assert plan("k3", hardware_key="b300", serve_spec=at)["deployment"]["fits"] is fits, context
+
+
+def test_memory_figure_small_model_and_no_fit():
+    spec = ServeSpec(context=2048, concurrency=1)
+    fig = report.memory_figure(plan("nano", hardware_key="h100", serve_spec=spec), preset("nano"),
+                               hardware.get("h100"), spec)
+    ax = fig.axes[0]
+    # 72 GB of usable memory would flatten nano's ~45 MB to a line: the lines stay in the legend only
+    assert "1x h100 usable (90%): 72 GB, above the chart" in legend(fig)
+    assert ax.get_ylim()[1] < 1e9 and ax.get_title() == "nano on 1x h100: memory vs context, 1 sequence"
+    assert not any(t.startswith("fits up to") for t in texts(fig))
+    spec = ServeSpec(context=131072, concurrency=1, usable_memory=0.001)
+    r = plan("k3", hardware_key="rtx4090", serve_spec=spec)
+    assert r["deployment"]["fits"] is False
+    fig = report.memory_figure(r, preset("k3"), hardware.get("rtx4090"), spec)
+    assert fig.axes[0].get_title() == "k3 on rtx4090 (does not fit): memory vs context, 1 sequence"
+    assert legend(fig)[-1] == "planned context (128K)" and not any("usable" in t for t in legend(fig))
+
+
+def test_plot_memory_png(tmp_path):
+    path = tmp_path / "mem.png"
+    r, cfg, hw, spec = _k3_b300()
+    report.plot_memory(r, cfg, hw, spec, str(path))
+    assert png_size(path) == (1575, 810)  # 10.5 x 5.4 in at 150 dpi
+    assert [p.name for p in tmp_path.iterdir()] == ["mem.png"]
 
 
 @pytest.mark.parametrize("v,s", [(0, "0 B"), (999, "999 B"), (1000, "1 KB"), (1500, "1.5 KB"), (414e6, "414 MB"),
                                  (12_345_678_901, "12.3 GB"), (999.6e9, "1 TB"), (1.5e12, "1.5 TB"),
                                  (2.5e15, "2500 TB"), (-2e9, "-2 GB")])
-def test_format_bytes(v, s):
-    assert format_bytes(v) == s
+def test_short_bytes(v, s):
+    assert report.short_bytes(v) == s
 
 
-@pytest.mark.parametrize("v,s", [(0, "0"), (3.14159, "3.14"), (250.4, "250"), (12345, "1.2e04"), (0.001, "1.0e-03"),
-                                 (-7.5, "-7.5")])
-def test_format_number(v, s):
-    assert format_number(v) == s
-
-
-def test_plot_losses_draws_with_plot(tmp_path):
-    from openk3.train.metrics import TRAIN_COLOR, VAL_COLOR, plot_losses
-
-    path = tmp_path / "loss.png"
-    plot_losses({s: 5.0 / s for s in range(1, 50)}, {10: 0.6, 40: 0.2}, str(path))
-    png = path.read_bytes()
-    assert struct.unpack(">II", png[16:24]) == (640, 400)
-    assert {TRAIN_COLOR, VAL_COLOR, (0, 0, 0)} <= colors(png)
-    assert [p.name for p in tmp_path.iterdir()] == ["loss.png"]
-
-
-def test_import_does_not_load_torch():
-    code = "import sys, openk3.plot; assert 'torch' not in sys.modules, 'torch imported'"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+def test_plan_imports_matplotlib_only_to_plot_and_never_torch_or_pyplot(tmp_path):
+    """The planner stays torch-free with --plot; matplotlib loads only when a chart is drawn, and pyplot
+    (global figure state, an interactive backend) never; the trainer's chart avoids pyplot too."""
+    png, loss = tmp_path / "m.png", tmp_path / "l.png"
+    code = (f"import sys, openk3.__main__ as m; m.main(['plan', '--json']); assert 'matplotlib' not in sys.modules; "
+            f"m.main(['plan', '--plot', {str(png)!r}]); assert 'matplotlib' in sys.modules; "
+            "assert 'torch' not in sys.modules, 'torch'; assert 'matplotlib.pyplot' not in sys.modules, 'pyplot'; "
+            f"from openk3.train.metrics import plot_losses; plot_losses({{1: 2.0}}, {{}}, {str(loss)!r}); "
+            "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
+    assert png_size(png) == (1575, 810) and png_size(loss) == (640, 400)

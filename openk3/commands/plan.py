@@ -6,7 +6,8 @@
     openk3 plan --audit                            # circulating claims, recomputed
     openk3 plan --list-hardware                    # the catalogue with its sources
 
-Imports no torch: the whole plan is arithmetic over the config (see openk3/plan/).
+Imports no torch: the whole plan is arithmetic over the config (see openk3/plan/); matplotlib is imported
+only to draw --plot.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per GPU per micro-step")
     p.add_argument("--audit", action="store_true", help="recompute circulating K3 claims instead of planning")
     p.add_argument("--list-hardware", action="store_true", help="print the hardware catalogue with sources")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write memory vs context for the plan to PNG")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the plan's memory against context (stacked by component) into this PNG file")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 

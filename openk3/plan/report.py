@@ -1,10 +1,17 @@
-"""Human-readable tables for `openk3 plan`, and the memory-vs-context PNG."""
+"""Human-readable tables for `openk3 plan`, and the memory-vs-context chart (matplotlib, imported only
+when a chart is drawn)."""
 
 from __future__ import annotations
 
+import io
 import math
+import os
+from typing import TYPE_CHECKING
 
 from openk3.plan import serve
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def human_bytes(n: float) -> str:
@@ -145,29 +152,112 @@ def _tokens(v: float) -> str:
     return f"{v:.0f}"
 
 
-def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
-    """PNG: stacked weights / activations / KDA state / MLA cache of the whole deployment vs context
-    (log x), with the planned devices' memory as a dashed line."""
-    from openk3.plot import Series, format_bytes, line_chart
+def short_bytes(v: float) -> str:
+    """Axis-tick bytes: decimal units, at most 3 significant digits (0 B, 500 GB, 1.5 TB, 2500 TB)."""
+    a, units = abs(v), ("B", "KB", "MB", "GB", "TB")
+    i = 0
+    while i < len(units) - 1 and float(f"{a / 1000 ** i:.3g}") >= 1000:  # 999.6e9 is "1 TB", not "1000 GB"
+        i += 1
+    x = a / 1000 ** i
+    digits = f"{x:.0f}" if x >= 1000 else f"{x:.3g}"
+    return f"{'-' if v < 0 else ''}{digits} {units[i]}"
+
+
+MEMORY_SERIES = (("weights", "weights", "#1f77b4"), ("activations", "activations", "#9467bd"),
+                 ("kda_state", "KDA state", "#2ca02c"), ("mla_cache", "MLA cache", "#d62728"))
+POINTS_PER_OCTAVE = 4  # the MLA cache grows linearly in context: one point per power of 2 shows corners on a log axis
+
+
+def _crossing(xs: list[float], ys: list[float], level: float) -> float | None:
+    """The first x where the rising curve ys passes `level` (interpolated linearly: memory is affine in
+    context); None if the curve starts above `level` or never reaches it."""
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if y0 <= level < y1:
+            return x0 + (level - y0) / (y1 - y0) * (x1 - x0)
+    return None
+
+
+def memory_figure(r: dict, cfg, hw, spec: serve.ServeSpec) -> Figure:
+    """The memory-vs-context chart as a matplotlib Figure: the deployment's weights / activations / KDA
+    state / MLA cache stacked against context (log2 x axis, from 1K tokens to the longest context), the
+    planned devices' usable and full memory as dashed lines (with the context where the stack crosses the
+    usable line marked) and the planned context as a dotted line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     top = max(cfg.max_position_embeddings, spec.context)
-    contexts = sorted({2 ** e for e in range(10, int(math.log2(top)) + 1)} | {spec.context, top})
+    steps = range(10 * POINTS_PER_OCTAVE, int(math.log2(top) * POINTS_PER_OCTAVE) + 1)
+    contexts = sorted({round(2 ** (e / POINTS_PER_OCTAVE)) for e in steps} | {spec.context, top})
     lay = r["deployment"].get("layout")
-    layout = serve.Layout(**lay) if lay else None
-    rows = memory_curve(cfg, spec, contexts, layout)
-    stacks, base = [], [0.0] * len(rows)
+    rows = memory_curve(cfg, spec, contexts, serve.Layout(**lay) if lay else None)
+    totals = [sum(row[key] for key, _, _ in MEMORY_SERIES) for row in rows]
     copies = lay["tp"] if lay and lay["attention"] == "tp" else 1
-    mla_label = f"MLA cache (x{copies} TP copies)" if copies > 1 else "MLA cache"
-    for key, label, color in (("weights", "weights", (31, 119, 180)), ("activations", "activations", (148, 103, 189)),
-                              ("kda_state", "KDA state", (44, 160, 44)), ("mla_cache", mla_label, (214, 39, 40))):
-        top_vals = [b + row[key] for b, row in zip(base, rows)]
-        stacks.append(Series(label, list(zip(contexts, top_vals)), color, fill_to=list(zip(contexts, base))))
-        base = top_vals
-    hlines = []
+
+    # A bare Figure on the Agg canvas, not pyplot: no display is needed and nothing global is touched
+    # (no backend switch, no figure left open in pyplot's registry to close).
+    fig = Figure(figsize=(10.5, 5.4), dpi=150, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    labels = [f"{label} (x{copies} TP copies)" if key == "mla_cache" and copies > 1 else label
+              for key, label, _ in MEMORY_SERIES]
+    ax.stackplot(contexts, *([row[key] for row in rows] for key, _, _ in MEMORY_SERIES), labels=labels,
+                 colors=[c for _, _, c in MEMORY_SERIES], alpha=0.75, edgecolor="white", linewidth=0.6)
+    ceiling = max(totals)
+    devices = f"{lay['devices']}x {hw.key}" if lay else hw.key
     if lay:  # the fit test uses the usable share; the full memory is drawn for reference
-        n = lay["devices"]
-        hlines += [(f"{n}x {hw.key} usable ({spec.usable_memory:.0%})", n * hw.memory_bytes * spec.usable_memory,
-                    (0, 0, 0)), (f"{n}x {hw.key} memory", n * hw.memory_bytes, (150, 150, 150))]
-    line_chart(path, stacks, title=f"{r['model']} on {hw.key}: memory vs context, {spec.concurrency} sequence(s)",
-               x_label="context (tokens)", y_label="bytes", hlines=hlines, x_log=True, x_format=_tokens,
-               y_format=format_bytes)
+        usable, full = (lay["devices"] * hw.memory_bytes * f for f in (spec.usable_memory, 1.0))
+        # Far above a small model's stack the lines would flatten it to nothing: keep the stack readable
+        # and let the legend give the lines' values.
+        off_scale = usable > 10 * ceiling
+        ceiling = ceiling if off_scale else max(ceiling, full)
+        above = ", above the chart" if off_scale else ""
+        ax.axhline(usable, color="black", linestyle="--", linewidth=1.4,
+                   label=f"{devices} usable ({spec.usable_memory:.0%}): {short_bytes(usable)}{above}")
+        ax.axhline(full, color="0.55", linestyle="--", linewidth=1.4,
+                   label=f"{devices} memory: {short_bytes(full)}{above}")
+        limit = _crossing(contexts, totals, usable)
+        if limit is not None:
+            ax.plot([limit], [usable], "o", color="black", markersize=5, zorder=5)
+            ax.annotate(f"fits up to {_tokens(limit)} tokens", (limit, usable), xytext=(-8, 8),
+                        textcoords="offset points", ha="right", va="bottom", fontsize=9,
+                        bbox={"boxstyle": "round,pad=0.2", "facecolor": "white", "edgecolor": "none"})
+    ax.axvline(spec.context, color="0.35", linestyle=":", linewidth=1.2,
+               label=f"planned context ({_tokens(spec.context)})")
+
+    ax.set_xscale("log", base=2)
+    ax.set_xlim(contexts[0], contexts[-1])
+    octaves = int(math.log2(contexts[-1])) - 10
+    every = max(1, math.ceil(octaves / 8))  # at most ~9 labelled powers of 2
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** e for e in range(10, 11 + octaves, every)]))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _tokens(v)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: short_bytes(v)))
+    ax.set_ylim(0, ceiling * 1.08)
+    sequences = f"{spec.concurrency:,} sequence" + ("s" if spec.concurrency != 1 else "")
+    fits = "" if r["deployment"]["fits"] else " (does not fit)"
+    ax.set_title(f"{r['model']} on {devices}{fits}: memory vs context, {sequences}")
+    ax.set_xlabel("context per sequence (tokens, log scale)")
+    ax.set_ylabel("memory of the whole deployment")
+    ax.grid(True, color="0.9", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)  # outside: never over the stack
+    return fig
+
+
+def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
+    """Write `memory_figure(...)` to `path` as a PNG: rendered in memory, then written to a temporary file
+    and moved into place with os.replace, so `path` is never left half-written."""
+    buf = io.BytesIO()
+    memory_figure(r, cfg, hw, spec).savefig(buf, format="png")
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(buf.getvalue())
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)

@@ -1,4 +1,4 @@
-"""Run metrics: the `metrics.jsonl` log, MFU, and `loss.png` (a dependency-free PNG line plot).
+"""Run metrics: the `metrics.jsonl` log, MFU, and `loss.png` (drawn with matplotlib).
 
 metrics.jsonl holds one JSON object per line, appended and flushed one at a time:
   {"kind": "train", "step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "load_max_over_mean",
@@ -11,14 +11,19 @@ and everything logged after the checkpoint being resumed.
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import math
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
-from openk3.plot import Canvas, format_number, text_width
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 
 # Matmul peak per core of the project's CPU machine (benchmarks/common.py, machine-facts §1.3).
 PEAK_FLOPS_PER_CORE = {torch.float32: 95e9, torch.bfloat16: 210e9}
@@ -82,14 +87,23 @@ def truncate_after(path: str, step: int) -> int:
         return 0
     recs = read_metrics(path)
     keep = [r for r in recs if int(r.get("step", 0)) <= step]
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        for r in keep:
-            fh.write(json.dumps(r, allow_nan=True) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    _write_atomic(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in keep).encode("utf-8"))
     return len(recs) - len(keep)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and os.replace: a reader (or a kill) never sees a
+    partial file, and a failed write leaves no temporary behind."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def losses_by_step(records: Iterable[dict], kind: str = "train", key: str = "loss") -> dict[int, float]:
@@ -97,58 +111,75 @@ def losses_by_step(records: Iterable[dict], kind: str = "train", key: str = "los
     return {int(r["step"]): r[key] for r in records if r.get("kind") == kind and key in r}
 
 
-# ---- loss.png (drawn with openk3.plot) ----------------------------------------------------------------
+# ---- loss.png ----------------------------------------------------------------------------------------
 
-TRAIN_COLOR = (31, 119, 180)
-VAL_COLOR = (214, 39, 40)
+TRAIN_COLOR = "#1f77b4"  # matplotlib's tab:blue and tab:red
+VAL_COLOR = "#d62728"
+SMOOTH_MIN_POINTS = 20  # below this the raw train line is readable on its own
+
+
+def _smooth(values: list[float]) -> list[float]:
+    """Centred moving average over ~2% of the points (at least 5): unlike an EMA it does not lag behind
+    a falling loss; near the ends the window shrinks to the points there are."""
+    h = max(2, len(values) // 100)
+    cum = [0.0, *itertools.accumulate(values)]
+    return [(cum[min(len(values), i + h + 1)] - cum[max(0, i - h)]) / (min(len(values), i + h + 1) - max(0, i - h))
+            for i in range(len(values))]
+
+
+def loss_figure(train: dict[int, float], val: dict[int, float], *, width: int = 640, height: int = 400,
+                dpi: int = 100) -> Figure:
+    """The loss chart as a matplotlib Figure (`width` x `height` pixels at `dpi`): train loss against step
+    (a faint raw line plus its moving average once there are enough steps) and validation loss (line +
+    dots), titled, with axis labels and a legend. Non-finite values are left out."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    # A bare Figure on the Agg canvas, not pyplot: no display is needed (CI, servers), the caller's
+    # matplotlib backend is left alone, and nothing is kept in pyplot's figure registry, so there is no
+    # figure to close and repeated saves during a run do not accumulate.
+    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    pts = [(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
+    vpts = [(s, v) for s, v in sorted(val.items()) if math.isfinite(v)]
+    steps, losses = [s for s, _ in pts], [v for _, v in pts]
+    if len(pts) >= SMOOTH_MIN_POINTS:
+        ax.plot(steps, losses, color=TRAIN_COLOR, alpha=0.3, linewidth=1, label="train loss")
+        ax.plot(steps, _smooth(losses), color=TRAIN_COLOR, linewidth=1.8, label="train loss (moving average)")
+    else:
+        ax.plot(steps, losses, color=TRAIN_COLOR, linewidth=1.8, marker="o" if len(pts) == 1 else None,
+                label="train loss")
+    if vpts:
+        last_step, last = vpts[-1]
+        ax.plot([s for s, _ in vpts], [v for _, v in vpts], color=VAL_COLOR, linewidth=1.8, marker="o",
+                markersize=4, label=f"validation loss (last {last:.3f} at step {last_step:,})")
+    if not pts and not vpts:  # a run killed before its first logged step: say so instead of empty axes
+        ax.text(0.5, 0.5, "no finite loss logged yet", transform=ax.transAxes, ha="center", va="center",
+                color="0.4")
+        ax.set_xticks([])
+        ax.set_yticks([])
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_title("Training loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    ax.grid(True, color="0.9", linewidth=0.8)
+    ax.set_axisbelow(True)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(loc="best", framealpha=0.9, edgecolor="0.85")  # the corner that hides the least data
+    return fig
+
+
+def save_png(fig: Figure, path: str) -> None:
+    """Render `fig` to PNG in memory, then write it atomically (a failed render leaves `path` as it was)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    _write_atomic(path, buf.getvalue())
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: str, *, width: int = 640,
                 height: int = 400) -> None:
-    """Write a PNG (atomically) of train loss (blue line) and validation loss (red line + dots) against
-    step, with min/max labels on both axes."""
-    c = Canvas(width, height)
-    left, right, top, bottom = 70, 20, 20, 40
-    pw, ph = width - left - right, height - top - bottom
-    pts = [(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
-    vpts = [(s, v) for s, v in sorted(val.items()) if math.isfinite(v)]
-    allv = [v for _, v in pts + vpts]
-    alls = [s for s, _ in pts + vpts]
-    grid = (225, 225, 225)
-    for i in range(5):  # grid
-        y = top + round(i * ph / 4)
-        c.line(left, y, left + pw, y, grid)
-        x = left + round(i * pw / 4)
-        c.line(x, top, x, top + ph, grid)
-    c.line(left, top, left, top + ph, (0, 0, 0))
-    c.line(left, top + ph, left + pw, top + ph, (0, 0, 0))
-    if allv:
-        lo, hi = min(allv), max(allv)
-        if hi - lo < 1e-12:
-            lo, hi = lo - 0.5, hi + 0.5
-        pad = 0.05 * (hi - lo)
-        lo, hi = lo - pad, hi + pad
-        s0, s1 = min(alls), max(alls)
-        s1 = s1 if s1 > s0 else s0 + 1
-
-        def xy(s: float, v: float) -> tuple[int, int]:
-            return (left + round((s - s0) / (s1 - s0) * pw), top + round((hi - v) / (hi - lo) * ph))
-
-        for series, color, dots in ((pts, TRAIN_COLOR, len(pts) == 1), (vpts, VAL_COLOR, True)):
-            prev = None
-            for s, v in series:
-                p = xy(s, v)
-                if prev is not None:
-                    c.line(*prev, *p, color, width=2)
-                if dots:
-                    c.dot(*p, color, r=3)
-                prev = p
-        c.text(4, top, format_number(hi))
-        c.text(4, top + ph - 7, format_number(lo))
-        c.text(left, top + ph + 8, format_number(s0))
-        label = format_number(s1)
-        c.text(left + pw - text_width(label), top + ph + 8, label)
-    # legend: a blue and a red swatch
-    c.line(left + pw - 60, top + 8, left + pw - 40, top + 8, TRAIN_COLOR, width=3)
-    c.line(left + pw - 30, top + 8, left + pw - 10, top + 8, VAL_COLOR, width=3)
-    c.save(path)
+    """Write `loss_figure(train, val)` to `path` as a PNG of `width` x `height` pixels."""
+    save_png(loss_figure(train, val, width=width, height=height), path)
