@@ -2,18 +2,28 @@
 
 Each command lives in `openk3/commands/<name>.py` as `add_arguments(parser)` + `main(args)` and is
 imported only when chosen, so `openk3 info` does not pay for what `openk3 demo` needs.
+
+An expected failure -- a ValueError (bad input, named by the code that found it) or an OSError (a
+missing or unreadable file, a full or read-only disk, a file where a folder goes) -- ends the command
+with one `openk3 CMD: error: ...` line on stderr and exit code 2. Anything else is a bug and keeps its
+traceback; `OPENK3_DEBUG=1` shows the traceback of expected failures too.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
+import logging
+import os
 import sys
+from pathlib import Path
 
 COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "train": "pretrain a K3 model (built-in corpus or your data), resumable, with metrics and samples",
-    "demo": "build a model, run it, and decode with the cache (the main job until pretraining lands)",
+    "demo": "quick smoke test: build a model, train it on a counting task, check cached decode against full forwards",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
     "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",
     "template": "render an OpenAI-style chat request (stdin JSON) in the XTML chat format",
@@ -24,8 +34,22 @@ COMMANDS = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version; openk3.__version__ when openk3 runs from a source tree."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("openk3")
+    except PackageNotFoundError:
+        import openk3
+
+        return openk3.__version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3, open and end to end.")
+    parser.add_argument("--version", action="version", version=f"openk3 {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -33,13 +57,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrNotes(logging.Handler):
+    """The library's notes (INFO and up on the `openk3` logger, e.g. the compute dtype `LLM` chose) as
+    `[openk3] ...` lines on stderr. sys.stderr is looked up at each note, not kept, so a replaced stderr
+    (a test's capture, a caller's redirection) receives them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"[openk3] {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def notes_on_stderr():
+    """The library's notes go to stderr while a command runs; the `openk3` logger is restored after (main()
+    may run many times in one process: tests, scripts)."""
+    log, handler = logging.getLogger("openk3"), _StderrNotes()
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+def describe(e: BaseException) -> str:
+    """An expected failure as one line: an OSError as `FILE: reason` (its str is `[Errno N] reason: 'FILE'`),
+    naming the file that stands where a folder is needed when that is the cause ("File exists" and "Not a
+    directory" alone leave the user to guess)."""
+    if not (isinstance(e, OSError) and e.strerror):
+        return str(e)
+    files = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+    line = f"{files}: {e.strerror}" if files else e.strerror
+    if e.errno in (errno.EEXIST, errno.ENOTDIR) and isinstance(e.filename, str):
+        path = Path(e.filename)
+        blocker = next((p for p in (path, *path.parents) if p.is_file()), None)
+        if blocker is not None:
+            line += f" ({blocker} is a file, not a folder)"
+    return line
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(f"openk3.commands.{args.command}")
     try:
-        return module.main(args) or 0
-    except (ValueError, FileNotFoundError) as e:  # user errors: one clear line, no traceback
-        print(f"openk3 {args.command}: error: {e}", file=sys.stderr)
+        with notes_on_stderr():
+            return module.main(args) or 0
+    except (ValueError, OSError) as e:  # expected failures: one clear line, no traceback
+        if os.environ.get("OPENK3_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"openk3 {args.command}: error: {describe(e)}", file=sys.stderr)
         return 2
 
 

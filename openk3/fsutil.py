@@ -20,10 +20,28 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def parse_json(text: str | bytes, source: str):
+    """Parse JSON text; malformed JSON, and JSON nested too deeply for Python's parser (which raises
+    RecursionError, a bug's exception, for input such as 100,000 `[`), are a ValueError naming `source`
+    (a file name, or a description such as "the request on stdin")."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source}: not valid JSON ({e})") from None
+    except UnicodeDecodeError as e:  # bytes that are not UTF-8/16/32
+        raise ValueError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise ValueError(f"{source}: JSON nested too deeply to parse") from None
+
+
 def read_json(path: str | os.PathLike):
-    """Parse a JSON file; malformed JSON is a ValueError naming the file (and the position)."""
-    with open(path) as fh:
-        try:
-            return json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not valid JSON ({e})") from None
+    """Parse a JSON file. Malformed, non-UTF-8 or too deeply nested JSON, and a path that is a folder or
+    cannot be read, are a ValueError naming the file; a missing file stays FileNotFoundError."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a folder where the file should be, permissions, I/O
+        raise ValueError(f"{path}: cannot read ({e.strerror or e})") from None
+    return parse_json(data, str(path))

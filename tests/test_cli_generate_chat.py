@@ -123,6 +123,40 @@ def test_generate_errors_are_one_line(capsys, tmp_path, ckpt):
         assert len(lines) == 1 and lines[0].startswith("openk3 generate: error: ") and needle in lines[0], err
 
 
+def test_generate_dtype_auto_computes_bf16_in_float32_and_says_so(capsys, tmp_path, llm):
+    """F18/D14: on CPU `--dtype auto` (the default) computes a bf16 checkpoint in float32 and says so on
+    stderr; `--dtype bfloat16` keeps bf16 (every resolve_dtype spelling is accepted)."""
+    path = tmp_path / "bf16"
+    openk3.save(llm.model, path, dtype=torch.bfloat16)
+    llm.tokenizer.save(str(path))
+    argv = ["generate", "--model", str(path), "--prompt", "Hi", "--max-tokens", "2", "--temperature", "0"]
+    code, _, err = run(capsys, *argv)
+    assert code == 0 and "[openk3] " in err
+    assert "compute dtype float32 on CPU, where it decodes 1.5-2x faster than the stored bfloat16" in err
+    code, _, err = run(capsys, *argv, "--dtype", "bfloat16")
+    assert code == 0 and "compute dtype bfloat16, as asked" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_compile_help_states_the_compile_time_of_the_code(capsys, command):
+    """G19: `--compile` promises the compile time infer/graph.py documents (40-90 s per graph), not ~30 s."""
+    import openk3.infer.graph as graph
+
+    assert "40-90 s each" in graph.__doc__
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "about 40-90 s per graph" in help_text and "~30 s" not in help_text
+
+
+def test_demo_help_does_not_claim_to_be_the_main_job(capsys):
+    """G19: pretraining (`openk3 train`) exists; `demo` is described as the quick smoke test it is."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "demo quick smoke test" in help_text and "until pretraining lands" not in help_text
+
+
 # ---- chat ----------------------------------------------------------------------------------------
 
 def test_chat_piped_multi_turn_reset_and_exit(monkeypatch, capsys, ckpt):

@@ -148,6 +148,67 @@ def test_keep_packed_loads_mxfp4_experts_packed_and_decodes(tmp_path):
         LLM(plain.model, keep_packed=True)
 
 
+def _bf16_checkpoint(path, experts_format: str = "bf16"):
+    openk3.save(openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0), path, dtype=torch.bfloat16,
+                experts_format=experts_format)
+    byte_tokenizer().save(str(path))
+    return path
+
+
+def _dtype_notes(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "openk3.infer.llm"]
+
+
+def test_auto_dtype_computes_a_bf16_checkpoint_in_float32_on_cpu_and_says_so(tmp_path, caplog):
+    """F18: `LLM(path)` as it comes computes a bf16 checkpoint in float32 on CPU (decode in bf16 is 1.5-2x
+    slower there) and logs one line with the choice and why; an explicit dtype wins."""
+    path = _bf16_checkpoint(tmp_path / "bf16")
+    with caplog.at_level("INFO", logger="openk3"):
+        auto = LLM(path)
+    assert {p.dtype for p in auto.model.parameters()} == {torch.float32}
+    (note,) = _dtype_notes(caplog)
+    assert "compute dtype float32 on CPU" in note and "stored bfloat16" in note and "--dtype bf16" in note
+    caplog.clear()
+    with caplog.at_level("INFO", logger="openk3"):
+        kept = LLM(path, dtype="bf16")
+    assert kept.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    (note,) = _dtype_notes(caplog)
+    assert "compute dtype bfloat16, as asked" in note
+    ids = auto.tokenizer.encode("Hi")  # the float32 model is the bf16 weights, exactly: same greedy tokens
+    assert auto.generate(ids, max_tokens=4, temperature=0, ignore_eos=True)[0].token_ids == \
+        full_forward_greedy(kept.model.float(), ids, 4)
+
+
+def test_auto_dtype_keeps_packed_mxfp4_experts_packed(tmp_path):
+    """The float32 choice applies to the trunk: MXFP4 experts loaded with keep_packed stay packed bytes."""
+    from openk3.quant import PackedExperts
+
+    llm = LLM(_bf16_checkpoint(tmp_path / "mx", experts_format="mxfp4"), keep_packed=True)
+    packed = [m for m in llm.model.modules() if isinstance(m, PackedExperts)]
+    assert packed and all(t.dtype == torch.uint8 for m in packed for t in m.buffers())
+    assert llm.model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_compute_dtype_choice():
+    """The rule itself, on every device (no GPU needed to check what a GPU would get)."""
+    from openk3.infer.llm import compute_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compute_dtype(None, torch.bfloat16, cpu)[0] == torch.float32
+    assert compute_dtype(None, torch.float16, cpu)[0] == torch.float32
+    assert compute_dtype(None, torch.float32, cpu)[0] is None  # float32 and float64 stay as stored
+    assert compute_dtype(None, torch.float64, cpu)[0] is None
+    dtype, why = compute_dtype(None, torch.bfloat16, cuda)
+    assert dtype is None and why == "compute dtype bfloat16 on cuda, as stored"
+    assert compute_dtype(torch.bfloat16, torch.bfloat16, cpu)[0] == torch.bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda_is_a_value_error(ckpt):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        LLM(ckpt, device="cuda")
+
+
 # ---- generate ------------------------------------------------------------------------------------
 
 def test_greedy_text_and_ids_match_full_forwards(llm):

@@ -55,13 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_tools(path: str) -> list[dict]:
     """An OpenAI tools list from a JSON file; bare function specs ({"name", "parameters"}) are wrapped."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except OSError as e:
-        raise ValueError(f"cannot read {path}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    from openk3.fsutil import read_json
+
+    data = read_json(path)  # ValueError or FileNotFoundError naming the file
     if isinstance(data, dict) and "tools" in data:
         data = data["tools"]
     if not isinstance(data, list):

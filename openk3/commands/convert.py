@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from openk3.commands.common import add_dtype_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="checkpoint folder to read")
@@ -19,14 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     form = p.add_mutually_exclusive_group()
     form.add_argument("--wrapper", action="store_true", help="write a top-level kimi_k3 config.json")
     form.add_argument("--bare", action="store_true", help="write a bare kimi_linear config.json")
-    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="dtype of the non-fp32 tensors")
+    add_dtype_argument(p, "bf16", "on-disk dtype of the tensors that are not fp32 islands or MXFP4 bytes "
+                                  "(auto: as in SRC)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB")
 
 
 def main(args: argparse.Namespace) -> int:
     import os
-
-    import torch
 
     from openk3.checkpoint import load, read_config, save
 
@@ -36,12 +37,13 @@ def main(args: argparse.Namespace) -> int:
     packed = "quantization_config" in cfg.extra
     experts = args.experts or ("mxfp4" if packed else "bf16")
     wrapper = True if args.wrapper else False if args.bare else None
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     # Packed -> packed keeps the codes as they are (re-packing would be exact too, but may pick other bytes).
-    model = load(args.src, dtype=None if args.dtype == "bf16" else dtype, keep_packed=packed and experts == "mxfp4")
+    # The tensors are read as stored and cast once, by `save`, to the dtype written.
+    model = load(args.src, keep_packed=packed and experts == "mxfp4")
+    dtype = args.dtype or model.model.embed_tokens.weight.dtype  # auto: the trunk dtype of SRC
     save(model, args.dst, wrapper=wrapper, experts_format=experts, dtype=dtype,
          max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"[convert] {args.src} -> {args.dst}: experts {experts}, "
           f"{'kimi_k3 wrapper' if wrapper else 'bare kimi_linear' if wrapper is False else 'config form as before'}, "
-          f"{args.dtype}")
+          f"{str(dtype).removeprefix('torch.')}")
     return 0

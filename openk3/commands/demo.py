@@ -1,8 +1,9 @@
 """`openk3 demo`: build a K3-architecture model, train it for a few steps on a repeating pattern,
 then decode with the cache and check the cached decode against full forwards.
 
-This is the main job until pretraining (tokenizer + corpus) lands: it exercises every part of the
-architecture end to end on CPU in well under a minute for the `nano` preset.
+A quick smoke test of the architecture (no tokenizer, no corpus, nothing saved): it exercises every
+part of the model end to end on CPU in well under a minute for the `nano` preset. Real pretraining is
+`openk3 train` (README: the main job).
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import argparse
 import json
 import sys
 
+from openk3.commands.common import add_dtype_argument
+
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     """--model, --tokenizer, --dtype, --device, --max-model-len, --threads, --compile, --keep-packed (shared with
@@ -24,15 +26,17 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                    help="checkpoint folder, or a training run folder (its checkpoints/latest is used)")
     p.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer folder (default: the checkpoint's own tiktoken.model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"],
-                   help="weights dtype (default auto: as stored; fp32 islands stay fp32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_dtype_argument(p, "auto", "compute dtype of the weights (auto: float32 on CPU, where it decodes "
+                                  "1.5-2x faster than bf16, as stored on a GPU; fp32 islands stay fp32)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + generated tokens per request (default: the config's max_position_embeddings)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
     p.add_argument("--compile", action="store_true",
-                   help="compile the decode step (torch.compile; ~30 s once, then several times fewer ms/token)")
+                   help="compile the decode step (torch.compile): about 40-90 s per graph on one CPU core when "
+                        "first needed (a graph for batch 1, one for larger batches, one per MoE form used; "
+                        "cached on disk for later runs), then about 2-4x fewer ms/token (docs/benchmarks.md)")
     p.add_argument("--keep-packed", action="store_true",
                    help="keep MXFP4 experts packed in memory (4.25 bits/weight; decode reads them directly)")
 

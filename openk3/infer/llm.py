@@ -21,6 +21,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -28,13 +29,14 @@ from typing import Any
 
 import torch
 
-from openk3.common import resolve_dtype
+from openk3.common import resolve_device, resolve_dtype
 from openk3.infer.engine import Engine, RequestOutput
 from openk3.infer.sample import SamplingParams
 
 __all__ = ["LLM", "ChatResult", "resolve_checkpoint", "resolve_dtype"]
 
 Prompt = str | Sequence[int]
+log = logging.getLogger(__name__)  # `openk3 generate/chat` print the `openk3` logger's notes on stderr
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -62,6 +64,46 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if checkpoint_root(run).is_dir():
         raise ValueError(f"{p}: a training run folder without a complete checkpoint yet")
     raise ValueError(f"{p}: not a checkpoint folder (no config.json) nor a training run folder (no checkpoints/)")
+
+
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The on-disk dtype of a checkpoint's token embedding -- the trunk dtype `openk3.load` keeps when given
+    no dtype -- from the safetensors header alone. None when it cannot be read (the load then says why)."""
+    from openk3.checkpoint import files
+    from openk3.checkpoint.layout import PREFIX, TORCH_DTYPES
+
+    embed = "model.embed_tokens.weight"
+    try:
+        wm = files.weight_map(folder)
+        name = next((n for n in (PREFIX + embed, embed) if n in wm), None)
+        if name is None:
+            return None
+        with files.open_shard(folder / wm[name]) as h:
+            return TORCH_DTYPES.get(h.get_slice(name).get_dtype())
+    except ValueError:
+        return None
+
+
+def compute_dtype(asked: torch.dtype | None, stored: torch.dtype | None,
+                  device: torch.device) -> tuple[torch.dtype | None, str]:
+    """The dtype to load a checkpoint in (None: as stored) and a line saying why.
+
+    An asked dtype always wins. Otherwise ("auto"): on CPU a bf16/fp16 checkpoint computes in float32,
+    because decode in bf16 measured 1.5-2x slower than in float32 on the project's CPU (issue 15; small,
+    batch 1: 13-16 against 24-26 tokens/s; the CPU MoE kernels are float32/float64 only; fp16 is slower
+    still), at twice the memory of the float weights; MXFP4 experts kept packed (keep_packed) stay
+    packed. On a GPU the stored dtype is kept (bf16 is its fast path)."""
+    def name(d: torch.dtype | None) -> str:
+        return "an unread dtype" if d is None else str(d).removeprefix("torch.")
+
+    if asked is not None:
+        return asked, f"compute dtype {name(asked)}, as asked (the checkpoint stores {name(stored)})"
+    if device.type == "cpu" and stored in (torch.bfloat16, torch.float16):
+        keep = "bf16" if stored == torch.bfloat16 else "fp16"
+        return torch.float32, (f"compute dtype float32 on CPU, where it decodes 1.5-2x faster than the stored "
+                               f"{name(stored)}; dtype='{keep}' (--dtype {keep}) keeps {name(stored)}, at half the "
+                               f"memory")
+    return None, f"compute dtype {name(stored)} on {device.type}, as stored"
 
 
 def _load_tokenizer(folder: str | os.PathLike, what: str):
@@ -123,9 +165,13 @@ class LLM:
         tokenizer: an `openk3.tokenizer.Tokenizer` or a tokenizer folder. Default: the checkpoint
             folder's own tokenizer files (required for a path). With an in-memory model and no
             tokenizer, prompts must be token ids and outputs have ids only (no chat).
-        dtype: None keeps the checkpoint's dtypes (an in-memory model is left as it is); a torch dtype
-            or "bf16" / "fp16" / "fp32" casts (fp32 islands stay fp32; an in-memory model is cast in place).
-        device: where the weights go; None = "cpu" for a path, and leaves an in-memory model where it is.
+        dtype: the compute dtype: a torch dtype or a name ("bf16"/"bfloat16", "fp32"/"float32", ...;
+            `openk3.common.resolve_dtype`) casts (fp32 islands stay fp32; an in-memory model is cast in
+            place). None or "auto": for a path, float32 on CPU when the checkpoint stores bf16/fp16 (CPU
+            decode in bf16 is 1.5-2x slower), as stored on a GPU (`compute_dtype`); an in-memory model
+            is left as it is. For a path the choice and its reason are logged (INFO, `openk3` logger).
+        device: where the weights go ("cpu", "cuda", "cuda:N"; a ValueError when this machine has no such
+            device); None = "cpu" for a path, and leaves an in-memory model where it is.
         max_num_seqs, max_model_len, prefill_chunk, compile: the engine's (see `Engine`; `compile=True`
             compiles the decode step at the first generation: slower start, much faster tokens).
         keep_packed: a checkpoint's MXFP4 experts stay packed in memory (4.25 bits/weight, as the release
@@ -137,6 +183,7 @@ class LLM:
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
                  prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False) -> None:
         dtype = resolve_dtype(dtype)
+        device = resolve_device(device) if device is not None else None
         self.path: Path | None = None
         if isinstance(path_or_model, torch.nn.Module):
             if keep_packed:
@@ -153,7 +200,10 @@ class LLM:
                 tokenizer = _load_tokenizer(self.path, "this checkpoint has no tokenizer files; ")
             from openk3.checkpoint import load
 
-            model = load(self.path, dtype=dtype, device=device or "cpu", keep_packed=keep_packed)
+            device = device or torch.device("cpu")
+            dtype, why = compute_dtype(dtype, stored_dtype(self.path), device)
+            log.info("%s: %s", self.path, why)
+            model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed)
         else:
             raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")
         if isinstance(tokenizer, (str, os.PathLike)):
