@@ -65,6 +65,28 @@ def test_deeply_nested_tools_file(tmp_path, capsys, ckpt):
     assert line.endswith(f"{deep}: JSON nested too deeply to parse")
 
 
+def test_deeply_nested_request_and_tokenizer_config_and_override(tmp_path, capsys, monkeypatch):
+    import io
+
+    from openk3.chat.xtml import render
+    from openk3.plan.models import parse_overrides
+    from openk3.tokenizer.special import parse_tokenizer_config
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(DEEP))
+    line = one_error_line(capsys, ["template"], "template")
+    assert line.endswith("the request on stdin: JSON nested too deeply to parse")
+    with pytest.raises(ValueError, match="tokenizer_config.json: JSON nested too deeply"):
+        parse_tokenizer_config(DEEP, 256)
+    with pytest.raises(ValueError, match="override 'num_experts': value nested too deeply"):
+        parse_overrides([f"num_experts={DEEP}"])
+    # a model-written (or client-sent) arguments string that is too deep stays the raw string, as malformed
+    # JSON arguments do: rendering never raises a RecursionError
+    call = {"id": "c0", "type": "function", "function": {"name": "f", "arguments": DEEP}}
+    segs = render({"messages": [{"role": "user", "content": "x"},
+                                {"role": "assistant", "content": "", "tool_calls": [call]}]})
+    assert any(DEEP in s.text for s in segs)
+
+
 def test_read_json_names_the_file_for_every_bad_content(tmp_path):
     from openk3.fsutil import parse_json, read_json
 

@@ -305,7 +305,7 @@ def parse_arguments(arguments: Any, where: str = "tool call") -> tuple[dict | No
             return {}, None
         try:
             parsed = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # kept as the raw string, as the model wrote it
             return None, arguments
         if not isinstance(parsed, dict):
             raise ValueError(f"{where}: arguments must be a JSON object, got {type(parsed).__name__}")

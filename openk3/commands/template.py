@@ -28,12 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_request(path: str | None) -> dict:
     from openk3.commands.common import read_text_input
+    from openk3.fsutil import parse_json
 
-    text = read_text_input(path)
-    try:
-        request = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the request is not valid JSON ({e})") from None
+    request = parse_json(read_text_input(path), path or "the request on stdin")
     if not isinstance(request, dict):
         raise ValueError("the request must be a JSON object with a 'messages' list")
     return request

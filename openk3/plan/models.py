@@ -73,6 +73,8 @@ def parse_overrides(items: list[str] | None) -> dict:
             out[key.strip()] = json.loads(raw)
         except json.JSONDecodeError:
             out[key.strip()] = raw
+        except RecursionError:
+            raise ValueError(f"override {key.strip()!r}: value nested too deeply to parse") from None
     return out
 
 

@@ -121,6 +121,8 @@ def parse_tokenizer_config(text: str, num_ranks: int, path: str = "tokenizer_con
         cfg = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to parse") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}:1: expected a JSON object at the top level, got {type(cfg).__name__}")
     decoder = cfg.get("added_tokens_decoder", {})
