@@ -1,11 +1,14 @@
-"""`openk3 train --preset P --out DIR --max-steps N [--data SOURCE] [--resume|--no-resume] [key=value ...]`.
+"""`openk3 train [--config FILE] [--preset P] --out DIR [--max-steps N] [--data SOURCE] [key=value ...]`.
 
 Pretrains a model from scratch on the built-in corpus (default) or text files, with Per-Head Muon +
 AdamW, warmup + cosine, Quantile Balancing; logs metrics.jsonl and loss.png, saves release-format
-checkpoints, and resumes automatically from the latest one in DIR. `key=value` overrides reach every
-field of the run config (`openk3.train.config.TrainConfig`): loop fields (`batch_size=4`), and the
-sections `model.*`, `optim.*`, `data.*` (`optim.lr=1e-3`, `model.hidden_size=64`,
-`data.max_bytes=300000`). The resolved config is printed and written to DIR/train_config.json.
+checkpoints, and resumes automatically from the latest one in DIR. The config is built in layers:
+`--config FILE` (a train_config.json, e.g. a previous run's, or any JSON object with the same
+sections; default: the `TrainConfig` defaults), then `--preset` (replaces the model section), then the
+flags, then `key=value` overrides, which reach every field of the run config
+(`openk3.train.config.TrainConfig`): loop fields (`batch_size=4`), and the sections `model.*`,
+`optim.*`, `data.*` (`optim.lr=1e-3`, `model.hidden_size=64`, `data.max_bytes=300000`). Overrides may
+sit anywhere among the flags. The resolved config is printed and written to DIR/train_config.json.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ SMALL_MODEL_LR = {"nano": 3e-3, "small": 2e-3}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="nano",
-                   help=f"model preset: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form); default nano")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="start from this train config JSON (e.g. a run's train_config.json); flags and "
+                        "key=value overrides apply on top")
+    p.add_argument("--preset", default=None,
+                   help=f"model preset: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form); default nano, "
+                        "or the --config file's model")
     p.add_argument("--out", required=True, help="run folder (created; resumed from if it holds checkpoints)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's 1000)")
     p.add_argument("--data", default=None,
@@ -29,34 +36,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: train one into OUT/tokenizer)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
+    p.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", default=None, help="fp32/float32 (default) or bf16/bfloat16 (autocast)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", dest="resume", action="store_true", default=True,
                    help="continue from OUT's latest checkpoint if there is one (default)")
     g.add_argument("--no-resume", dest="resume", action="store_false",
                    help="refuse to start if OUT already holds checkpoints")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even though settings that change the run's maths (optim.*, model.*, data.*, "
+                        "batch_size, seq_len, seed, ...) differ from the checkpoint's; the change is recorded "
+                        "in OUT/train_config_history.jsonl (docs/training.md)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-3")
+    _parse_intermixed(p)
+
+
+def _parse_intermixed(p: argparse.ArgumentParser) -> None:
+    """Let `key=value` overrides sit anywhere among the flags (`a=1 --max-steps 2 b=2`). A plain
+    parse takes the `overrides` positional once, at its first stretch, and calls a later `b=2`
+    unrecognised. The top-level parser cannot parse intermixed (it has subparsers), so this parser
+    does, for the arguments the subparser action hands it; `parse_known_intermixed_args` itself calls
+    `parse_known_args` twice, which must then be the ordinary one (hence the guard)."""
+    plain = p.parse_known_args
+    inside = False
+
+    def parse_known_args(args=None, namespace=None):
+        nonlocal inside
+        if inside:
+            return plain(args, namespace)
+        inside = True
+        try:
+            return p.parse_known_intermixed_args(args, namespace)
+        finally:
+            inside = False
+
+    p.parse_known_args = parse_known_args
 
 
 def build_config(args: argparse.Namespace):
-    """The TrainConfig the arguments describe (flags first, then key=value overrides)."""
+    """The TrainConfig the arguments describe: --config file, then --preset, flags, key=value overrides."""
     import dataclasses
 
     from openk3.config import preset
     from openk3.train.config import TrainConfig, apply_overrides
 
-    cfg = TrainConfig(model=preset(args.preset), preset=args.preset)
+    if args.config is not None:
+        cfg = TrainConfig.from_json(args.config)
+    else:
+        cfg = TrainConfig(model=preset(args.preset or "nano"), preset=args.preset or "nano")
     changes = {}
-    if args.preset.removesuffix("-kl") in SMALL_MODEL_LR:
+    if args.preset is not None:
+        changes["model"], changes["preset"] = preset(args.preset), args.preset
+    name = (args.preset or ("nano" if args.config is None else "")).removesuffix("-kl")
+    if args.config is None and name in SMALL_MODEL_LR:
         # Muon's default lr (2e-4) is a large-model value; these widths learn ~2x faster per step at 3e-3
-        # (nano, 40 steps: 4.1 vs 8.4 bits/byte). `optim.lr=...` still overrides.
-        changes["optim"] = dataclasses.replace(cfg.optim, lr=SMALL_MODEL_LR[args.preset.removesuffix("-kl")])
+        # (nano, 40 steps: 4.1 vs 8.4 bits/byte). `optim.lr=...` still overrides; a --config file's lr
+        # is the file's choice and is kept.
+        changes["optim"] = dataclasses.replace(cfg.optim, lr=SMALL_MODEL_LR[name])
     if args.max_steps is not None:
         changes["max_steps"] = args.max_steps
     if args.tokenizer is not None:
         changes["tokenizer"] = args.tokenizer
     if args.threads is not None:
         changes["threads"] = args.threads
+    if args.device is not None:
+        changes["device"] = args.device
+    if args.dtype is not None:
+        changes["dtype"] = args.dtype
     if args.data is not None:
         changes["data"] = dataclasses.replace(cfg.data, source=args.data)
     cfg = dataclasses.replace(cfg, **changes)
@@ -64,11 +111,14 @@ def build_config(args: argparse.Namespace):
 
 
 def main(args: argparse.Namespace) -> int:
+    from openk3.common import resolve_device
     from openk3.train.trainer import train
 
     cfg = build_config(args)
+    resolve_device(cfg.device)  # refuse a missing device before printing the config (train checks it too)
     print("[train] config: " + json.dumps(cfg.to_dict(), indent=2), flush=True)
-    summary = train(cfg, args.out, resume=args.resume, progress=args.progress)
+    summary = train(cfg, args.out, resume=args.resume, progress=args.progress,
+                    allow_config_change=args.allow_config_change)
     print(f"[train] validation bits per byte: {summary['val_bpb']:.4f} (loss {summary['val_loss']:.4f}); "
           f"checkpoint {summary['checkpoint']}")
     return 0

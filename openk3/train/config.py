@@ -10,6 +10,10 @@ the loop's own fields sit at the top level. Overrides are `key=value` strings wi
 int, float, bool (true/false/1/0/yes/no/on/off), str, None (`none`/`null` where the field allows it),
 tuples and lists (`[0.9,0.95]`, `(a,b)` or `a,b`). An unknown key raises a ValueError that lists
 the closest known keys; a value that does not fit raises one naming the key and the value.
+
+Resuming: `resume_changes(old, new)` splits the differences between a checkpoint's config and the
+new one into those that may change freely (`RESUME_FREE`: length, cadence, where and how fast it
+runs) and those that change the run's maths (everything else), which `train` refuses unless told.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from openk3.config import K3Config, LinearAttnConfig, preset
 from openk3.data import DataConfig
 from openk3.fsutil import read_json
@@ -30,6 +36,16 @@ from openk3.train.optim import OptimConfig
 
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
+
+# Fields a resumed run may change without `allow_config_change`: they do not change what the
+# remaining steps compute. `max_steps` is here because extending a run is the common case; note that
+# the LR schedule (and a fractional `warmup`) is recomputed for the new length. The model's special
+# token ids are derived from the tokenizer each start (runs saved before that was done differ there).
+RESUME_FREE = frozenset({
+    "max_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "samples",
+    "sample_tokens", "threads", "device", "activation_checkpointing", "cache_dir", "peak_flops", "preset",
+    "model.bos_token_id", "model.eos_token_id", "model.pad_token_id",
+})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +64,7 @@ class TrainConfig:
     keep_checkpoints: int | None = None  # None: keep all; N: keep the newest N
     log_every: int = 10  # console lines; metrics.jsonl gets every step
     seed: int = 0
-    dtype: str = "fp32"  # "fp32" | "bf16" (autocast; parameters, optimizer state and fp32 islands stay fp32)
+    dtype: str = "fp32"  # "fp32" | "bf16" (autocast; params, optimizer state, fp32 islands stay fp32); bfloat16 ok
     device: str = "cpu"
     activation_checkpointing: bool = False
     # schedule
@@ -73,6 +89,17 @@ class TrainConfig:
         self.validate()
 
     def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            # Same spellings as every other --dtype (bfloat16, float32, ...), stored canonically so a
+            # resumed run compares equal; object.__setattr__ because the dataclass is frozen.
+            from openk3.common import resolve_dtype
+
+            try:
+                canonical = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(resolve_dtype(self.dtype))
+            except ValueError:
+                canonical = None
+            if canonical is not None:
+                object.__setattr__(self, "dtype", canonical)
         positive = ("batch_size", "seq_len", "log_every", "sample_tokens")
         for name in positive:
             if getattr(self, name) < 1:
@@ -85,7 +112,7 @@ class TrainConfig:
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 or None, got {self.keep_checkpoints}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {DTYPES} (or bfloat16, float32), got {self.dtype!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.warmup < 0:
@@ -151,6 +178,34 @@ class TrainConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TrainConfig:
         return cls.from_dict(read_json(path), source=str(path))
+
+
+# ---- resuming ------------------------------------------------------------------------------------------
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, old value, new value) for every leaf that differs between two config dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_diff(a, b, f"{prefix}{k}.")
+        elif _plain(a) != _plain(b):
+            out.append((f"{prefix}{k}", a, b))
+    return out
+
+
+def _plain(v: Any) -> Any:
+    """Tuples as lists: a config read back from JSON or torch.save must compare equal to the live one."""
+    return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+
+
+def resume_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+    """(free, refused): "key: old -> new" lines for the differences between the config a checkpoint
+    was trained with (`old`, a `to_dict()`) and `new`; refused ones change the run's maths."""
+    free, refused = [], []
+    for key, a, b in config_diff(old, new):
+        (free if key in RESUME_FREE else refused).append(f"{key}: {a!r} -> {b!r}")
+    return free, refused
 
 
 # ---- overrides ------------------------------------------------------------------------------------------

@@ -8,11 +8,14 @@
 set's and schedule's state dicts, the data loader's state, RNG states (python, torch CPU and CUDA,
 numpy), the metrics history and the run's config dict.
 
-Atomicity: a checkpoint is written into a hidden temp folder (`.tmp-step_000300-<pid>`), fsynced and
-renamed to its final name, then `latest` is replaced. A kill at any point leaves either the previous
-`latest` or the new one pointing at a complete folder; leftovers of a torn save are removed on resume.
-`find_latest` trusts `latest` only if its folder is complete, else falls back to the newest complete
-`step_*` folder.
+Atomicity: a checkpoint is written into a hidden temp folder (`.tmp-step_000300-<pid>`, itself built
+by `openk3.save` in a sibling `..tmp-step_000300-<pid>.tmp-<hex>` and renamed), fsynced and renamed to
+its final name, then `latest` is replaced. A kill at any point leaves either the previous `latest` or
+the new one pointing at a complete folder; `clean_leftovers` removes what a torn save left.
+`find_latest` trusts `latest` only if its folder is complete (its files exist), else falls back to the
+newest complete `step_*` folder. `load_latest` goes further for a resume: it reads the state and the
+weights, and when a checkpoint's files are there but unreadable (truncated, corrupt) it falls back to
+the next newest one, reporting what was wrong.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from openk3.fsutil import fsync_dir
 STATE_FILE = "trainer_state.pt"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# What an interrupted save leaves in checkpoints/: our `.tmp-step_*-<pid>` / `.old-step_*-<pid>` folders,
+# `openk3.save`'s own temp sibling of the former (`..tmp-step_*-<pid>.tmp-<hex>`, `files.temp_sibling`),
+# and `latest.tmp` / `trainer_state.pt.tmp` files of `_write_atomic`.
+_LEFTOVER = re.compile(r"^\.+(tmp|old)-|^\..*\.(tmp|old)-[0-9a-f]+$|\.tmp$")
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -169,8 +176,8 @@ def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
     removed = []
     if not root.is_dir():
         return removed
-    for p in root.iterdir():
-        if p.name.startswith((".tmp-", ".old-")) or p.name.endswith(".tmp"):
+    for p in sorted(root.iterdir()):
+        if _LEFTOVER.search(p.name):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -183,13 +190,55 @@ def load_trainer_state(path: str | os.PathLike) -> dict:
     return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=True)
 
 
-@torch.no_grad()
-def load_weights_into(model, path: str | os.PathLike) -> None:
-    """Copy the release-format weights of checkpoint `path` into `model` in place (parameters keep
-    their identity, so an optimizer built on `model` stays valid)."""
+def read_weights(path: str | os.PathLike):
+    """The fp32 model held by checkpoint `path` (`openk3.load`: every tensor read and checked)."""
     from openk3.checkpoint import load
 
-    loaded = load(path, dtype=torch.float32)
+    return load(path, dtype=torch.float32)
+
+
+def load_latest(out_dir: str | os.PathLike) -> tuple[Path, dict, object, list[str]] | None:
+    """(checkpoint, trainer state, fp32 model, problems) of the newest checkpoint that reads back whole,
+    or None when there is no complete checkpoint.
+
+    Order: the folder `latest` names, then the other complete `step_*` folders, newest first. A
+    checkpoint whose files exist but do not load (a truncated `trainer_state.pt` or safetensors file,
+    bytes flipped on disk) is skipped; `problems` has one "<folder>: <error>" line per skipped one, for
+    the caller to warn with. The weights are read here, not after the model is built, so a corrupt
+    file is found before anything else is set up (and the read is not done twice: the caller copies
+    from the returned model). Raises ValueError listing every problem if no checkpoint loads.
+    """
+    found = [p for _, p in reversed(list_checkpoints(out_dir))]
+    latest = find_latest(out_dir)
+    if latest is None:
+        return None
+    candidates = [latest] + [p for p in found if p != latest]
+    problems = []
+    for path in candidates:
+        # Anything a damaged file can raise: torch.load gives EOFError/RuntimeError/UnpicklingError,
+        # safetensors its own SafetensorError, openk3.load ValueError. Interrupts are not Exceptions.
+        try:
+            state = load_trainer_state(path)
+        except Exception as e:  # reported by name below, and fatal if no checkpoint loads
+            problems.append(f"{path / STATE_FILE}: {type(e).__name__}: {e}")
+            continue
+        try:
+            weights = read_weights(path)
+        except Exception as e:
+            problems.append(f"{path} (weights): {type(e).__name__}: {e}")
+            continue
+        return path, state, weights, problems
+    raise ValueError(f"{checkpoint_root(out_dir)}: no checkpoint can be resumed from:\n  " + "\n  ".join(problems)
+                     + "\n(remove the damaged folders to start afresh, or choose a new --out)")
+
+
+@torch.no_grad()
+def load_weights_into(model, path: str | os.PathLike, loaded=None) -> None:
+    """Copy the release-format weights of checkpoint `path` (or `loaded`, the model `read_weights(path)`
+    returned) into `model` in place (parameters keep their identity, so an optimizer built on `model`
+    stays valid)."""
+    if loaded is None:
+        loaded = read_weights(path)
     src = dict(loaded.named_parameters()) | dict(loaded.named_buffers())
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if name not in src:

@@ -3,7 +3,8 @@
     summary = train(TrainConfig(model=preset("nano"), max_steps=200), "runs/nano")
 
 Run folder:
-    train_config.json        the resolved config (model.vocab_size = the tokenizer's)
+    train_config.json        the config in force (model.vocab_size and special ids = the tokenizer's)
+    train_config_history.jsonl   one line per resume that changed the config: step, changes, previous config
     tokenizer/               trained for the run when `cfg.tokenizer` is None
     metrics.jsonl            one record per step, eval and resume (`openk3.train.metrics`)
     loss.png                 train/val loss, redrawn at each eval, checkpoint and the end
@@ -18,7 +19,10 @@ over the count of labelled tokens (the global-token normalisation a data-paralle
 Resume: `train` on a folder with a complete checkpoint continues from it (weights, optimizer set,
 schedule, loader position, RNG states, metrics history), and on CPU in fp32 with one thread it
 reproduces the uninterrupted run's losses bit for bit. metrics.jsonl is cut back to the checkpoint's
-step first, so it always describes one run.
+step first, so it always describes one run. A checkpoint that does not load (truncated file) is skipped
+for the next newest with a warning; a config that differs from the checkpoint's in a field that changes
+the maths is refused unless `allow_config_change` (`openk3.train.config.RESUME_FREE`: what may change).
+Before training, the disk must have room for two checkpoints.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
-from openk3.train.config import TrainConfig
+from openk3.train.config import TrainConfig, resume_changes
 from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses, truncate_after
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
@@ -48,7 +52,7 @@ from openk3.train.schedule import LRSchedule
 from openk3.train.state import (
     clean_leftovers,
     find_latest,
-    load_trainer_state,
+    load_latest,
     load_weights_into,
     rng_state,
     save_checkpoint,
@@ -233,15 +237,57 @@ def get_tokenizer(cfg: TrainConfig, out_dir: Path):
     return tok, folder
 
 
-def _config_diff(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b = old.get(k), new.get(k)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _config_diff(a, b, f"{prefix}{k}.")
-        elif a != b:
-            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
-    return out
+def _warn(msg: str) -> None:
+    print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def with_tokenizer_ids(model_cfg, tok):
+    """`model_cfg` with the vocabulary size and the special ids of `tok` (spec §7.1: eos is the turn
+    terminator `<|end_of_msg|>`; bos/pad are the tokenizer's `[BOS]`/`[PAD]`), so the checkpoint's
+    config.json / generation_config.json name the ids this tokenizer really uses: a preset's ids are
+    K3's layout (once the release's eos 163586 beside a 512-id vocabulary, where no other engine ever
+    stopped), which a user's tokenizer need not follow. A tokenizer without `<|end_of_msg|>` gives its
+    document eos."""
+    eos = tok.special_ids.get("<|end_of_msg|>", tok.eos_id)
+    extra = dict(model_cfg.extra, bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
+    return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
+
+
+def checkpoint_bytes(optimizers: OptimizerSet) -> int:
+    """About one checkpoint on disk: fp32 weights plus the optimizer's fp32 state per parameter
+    (Muon: one momentum buffer; AdamW: two moments). Loader, RNG and metrics state are negligible."""
+    total = 0
+    if optimizers.muon is not None:
+        total += sum(p.numel() for g in optimizers.muon.param_groups for p in g["params"]) * 4 * (1 + 1)
+    if optimizers.adamw is not None:
+        total += sum(p.numel() for g in optimizers.adamw.param_groups for p in g["params"]) * 4 * (1 + 2)
+    return total
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    """ValueError naming `folder`, the bytes needed and the bytes free when the disk cannot take `needed`."""
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise ValueError(f"{folder}: not enough free disk space for this run's checkpoints: need about "
+                         f"{needed:,} bytes ({needed / 2**30:.2f} GiB, two checkpoints: fp32 weights + optimizer "
+                         f"state), {free:,} bytes ({free / 2**30:.2f} GiB) free; free some space or choose "
+                         f"another --out")
+
+
+def record_config(out: Path, cfg: TrainConfig, *, step: int | None, changes: list[str]) -> None:
+    """Write the config in force to `out/train_config.json`. When a resume changed it, the config it
+    replaces is appended first to `out/train_config_history.jsonl` (one JSON line: the step the change
+    takes effect after, the changes, the previous config), so no earlier config is ever lost."""
+    path = out / "train_config.json"
+    if changes and path.is_file():
+        from openk3.fsutil import read_json
+
+        entry = {"step": step, "time": time.time(), "changes": changes, "previous": read_json(path)}
+        with open(out / "train_config_history.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    cfg.to_json(path)
 
 
 @torch.no_grad()
@@ -275,42 +321,55 @@ def generate(model: nn.Module, prompt: list[int], n: int, *, temperature: float 
 
 
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
-          on_event: EventHook | None = None) -> dict:
+          allow_config_change: bool = False, on_event: EventHook | None = None) -> dict:
     """Train (or resume) the run in `out_dir`; returns a summary dict (see the module docstring).
 
-    resume: continue from the latest complete checkpoint if there is one (False: refuse to start in a
-    folder that has checkpoints). on_event(kind, info): called after each "step", "eval" and
+    resume: continue from the newest checkpoint that loads (a damaged newer one is skipped with a
+    warning; False: refuse to start in a folder that has checkpoints). allow_config_change: resume
+    even though `cfg` differs from the checkpoint's config in fields that change the run's maths
+    (`openk3.train.config.RESUME_FREE` lists those that may always change); without it that is a
+    ValueError listing every difference. on_event(kind, info): called after each "step", "eval" and
     "checkpoint" (tests use it to simulate a kill).
     """
-    from openk3.common import seed_everything, setup_cpu
+    from openk3.common import resolve_device, seed_everything, setup_cpu
     from openk3.data.loader import PackedLoader
     from openk3.data.shards import build_dataset
     from openk3.model.model import K3ForCausalLM
 
+    device = resolve_device(cfg.device)  # a ValueError naming what is missing, before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = setup_cpu(cfg.threads)
-    device = torch.device(cfg.device)
 
-    ckpt = find_latest(out)
-    if ckpt is not None and not resume:
-        raise ValueError(f"{out} already has checkpoints (latest {ckpt.name}); resume, or choose a new --out")
-    saved = None
-    if ckpt is not None:
-        for name in clean_leftovers(out):
-            _say(f"removed {name} (left by an interrupted checkpoint)")
-        saved = load_trainer_state(ckpt)
+    for name in clean_leftovers(out):
+        _say(f"removed {name} (left by an interrupted checkpoint)")
+    if not resume and (latest := find_latest(out)) is not None:
+        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
+    ckpt = saved = saved_weights = None
+    if resume and (found := load_latest(out)) is not None:
+        ckpt, saved, saved_weights, problems = found
+        for problem in problems:
+            _warn(f"skipping a damaged checkpoint: {problem}")
+        if problems:
+            _warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
 
     tok, tok_dir = get_tokenizer(cfg, out)
     if tok.vocab_size != cfg.model.vocab_size:
         _say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
-        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=tok.vocab_size))
+    cfg = dataclasses.replace(cfg, model=with_tokenizer_ids(cfg.model, tok))
     _say(f"tokenizer {tok_dir}: vocab {tok.vocab_size} ({tok.n_ranks} ranks + {len(tok.special_ids)} specials)")
+    changes: list[str] = []
     if saved is not None:
-        diff = _config_diff(saved["config"], cfg.to_dict())
-        if diff:
-            _say("config differs from the checkpoint's: " + "; ".join(diff))
-    cfg.to_json(out / "train_config.json")
+        free, refused = resume_changes(saved["config"], cfg.to_dict())
+        if refused and not allow_config_change:
+            raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
+                             f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nresume with "
+                             "the checkpoint's values, or pass --allow-config-change (allow_config_change=True) "
+                             "to continue with the new ones")
+        changes = refused + free
+        if changes:
+            _say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+    record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
 
     seed_everything(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
@@ -329,13 +388,17 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                           min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
     trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads)
     n_params = sum(p.numel() for p in model.parameters())
+    if saved is None or int(saved["step"]) < cfg.max_steps:  # (a finished run writes nothing new)
+        # Two checkpoints' worth: a save writes the new one in full before an older one is pruned.
+        check_free_space(out, 2 * checkpoint_bytes(opt))
     _say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
          f"(train), {threads} thread(s), {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
     metrics_path = out / "metrics.jsonl"
     resumed_from = None
     if ckpt is not None:
-        load_weights_into(model, ckpt)
+        load_weights_into(model, ckpt, saved_weights)
+        saved_weights = None  # copied into `model`: do not hold a second copy through training
         trainer.load_state_dict(saved)
         resumed_from = trainer.step
         dropped = truncate_after(str(metrics_path), trainer.step)
