@@ -8,6 +8,11 @@ stream, no `routed_expert_hidden_size` = experts at full width, no `gate_lower_b
 decay gate, `use_full_rank_gate` false = low-rank output gate, `mla_use_output_gate` false, and
 `hidden_act` "silu" = SwiGLU).
 
+Because those defaults mean Kimi-Linear, a K3 config file must spell out every field in
+`config_rules.K3_REQUIRED_FIELDS` (a missing `hidden_act` would run SwiGLU); unknown keys are kept
+with a warning; special ids must lie in the vocabulary, `eos_token_id` defaulting to K3's
+`<|end_of_msg|>` for it (`config_rules`, docs/architecture.md *Reading a config file*).
+
 Layer lists are 1-indexed as in the file (spec §1.6): 0-based layer `l` is MLA iff `l + 1` is in
 `full_attn_layers`.
 """
@@ -25,6 +30,16 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from openk3.config_rules import (
+    SPECIAL_ID_OFFSETS,
+    check_token_ids,
+    k3_markers,
+    k3_special_id,
+    missing_k3_fields,
+    moved_id,
+    typo_hint,
+    warn_unknown,
+)
 from openk3.fsutil import read_json
 
 # Keys that appear in released config.json files but do not change the text model's math. They are
@@ -44,6 +59,16 @@ _WRAPPER_KEYS = frozenset({
 })
 
 HIDDEN_ACTS = ("situ", "silu")
+
+
+class _FromVocab:
+    """Default of `eos_token_id`: K3's `<|end_of_msg|>` id for the config's vocabulary, set in __post_init__."""
+
+    def __repr__(self) -> str:
+        return "<vocab_size - 254>"
+
+
+_FROM_VOCAB = _FromVocab()
 
 
 @dataclass
@@ -100,14 +125,17 @@ class K3Config:
     attn_res_block_size: int | None = None
     num_nextn_predict_layers: int = 0
     tie_word_embeddings: bool = False
-    eos_token_id: int | list[int] | None = 163586
+    # Default: K3's <|end_of_msg|> for this vocabulary (163586 at 163840), None below 256 ids.
+    eos_token_id: int | list[int] | None = _FROM_VOCAB  # type: ignore[assignment]
     architectures: list[str] = field(default_factory=lambda: ["KimiLinearForCausalLM"])
     model_type: str = "kimi_linear"
     # openk3 options that are not release fields (kept out of config.json unless changed).
     # The HF reference builds the MLA latent norms without an eps argument (1e-6); vLLM, llama.cpp
     # and colibri use rms_norm_eps (1e-5). Spec §11 marks this a conflict, so it is a choice.
     mla_latent_norm_eps: float = 1e-6
-    # Metadata keys from the file that do not change the math (see _METADATA_KEYS).
+    # Keys from the file that are not fields: metadata (see _METADATA_KEYS), unknown keys (kept with a
+    # warning), the wrapper's other towers ("_wrapper") and unknown linear_attn_config keys
+    # ("_linear_attn_config"); `to_dict` writes them back.
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -115,6 +143,9 @@ class K3Config:
             self.linear_attn_config = _build(LinearAttnConfig, self.linear_attn_config, "linear_attn_config")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.eos_token_id is _FROM_VOCAB:
+            self.eos_token_id = k3_special_id(self.vocab_size, "eos_token_id") \
+                if isinstance(self.vocab_size, int) else None  # (a bad vocab_size is named by validate)
         self.validate()
 
     # ---- derived layout -------------------------------------------------------------------
@@ -177,6 +208,19 @@ class K3Config:
             v = getattr(la, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"config field 'linear_attn_config.{name}' must be a positive integer, got {v!r}")
+        for name in ("max_position_embeddings", "num_key_value_heads", "q_lora_rank"):  # (q_lora_rank may be null)
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"config field {name!r} must be a positive integer, got {v!r}")
+        if self.num_shared_experts < 0:
+            raise ValueError(f"config field 'num_shared_experts' must be >= 0, got {self.num_shared_experts!r}")
+        # eps 0 divides by zero on an all-zero row; a SiTU beta <= 0 divides by zero or flips the cap.
+        for name in ("rms_norm_eps", "mla_latent_norm_eps", "activation_situ_beta", "activation_situ_linear_beta",
+                     "routed_scaling_factor"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"config field {name!r} must be a finite number > 0, got {v!r}")
+        self._check_token_ids()  # (vocab_size is known to be a positive integer here)
         if not isinstance(self.qk_rope_head_dim, int) or self.qk_rope_head_dim < 0:
             raise ValueError(f"config field 'qk_rope_head_dim' must be an integer >= 0, got {self.qk_rope_head_dim!r}")
         full = list(la.full_attn_layers)
@@ -223,12 +267,20 @@ class K3Config:
                              f"got {self.num_nextn_predict_layers}")
         if self.tie_word_embeddings:
             raise ValueError("config field 'tie_word_embeddings' must be false (K3 and Kimi-Linear are untied)")
-        if la.gate_lower_bound is not None and not la.gate_lower_bound < 0:
-            raise ValueError(f"config field 'linear_attn_config.gate_lower_bound' must be negative, "
+        if la.gate_lower_bound is not None and not (math.isfinite(la.gate_lower_bound) and la.gate_lower_bound < 0):
+            raise ValueError(f"config field 'linear_attn_config.gate_lower_bound' must be a finite negative number, "
                              f"got {la.gate_lower_bound}")
         if self.first_k_dense_replace < 0 or self.moe_layer_freq <= 0:
             raise ValueError("config fields 'first_k_dense_replace' >= 0 and 'moe_layer_freq' > 0 required, got "
                              f"{self.first_k_dense_replace} and {self.moe_layer_freq}")
+
+    def _check_token_ids(self) -> None:
+        """Every declared special id (the eos field; bos/pad metadata; a wrapper's) lies in the vocabulary."""
+        check_token_ids({"eos_token_id": self.eos_token_id,
+                         **{k: self.extra[k] for k in ("bos_token_id", "pad_token_id") if k in self.extra}},
+                        self.vocab_size)
+        wrapper = self.extra.get("_wrapper", {})
+        check_token_ids({k: wrapper[k] for k in SPECIAL_ID_OFFSETS if k in wrapper}, self.vocab_size, " (top level)")
 
     # ---- serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -242,8 +294,10 @@ class K3Config:
                 continue
             out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
         for k, v in self.extra.items():
-            if k != "_wrapper":  # the wrapper's other towers are not text_config fields
+            if k not in ("_wrapper", "_linear_attn_config"):  # the wrapper's other towers are not text_config fields
                 out.setdefault(k, v)
+        for k, v in self.extra.get("_linear_attn_config", {}).items():
+            out["linear_attn_config"].setdefault(k, v)
         return out
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -258,39 +312,70 @@ class K3Config:
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "K3Config":
         """Build from a bare `kimi_linear` dict or a `kimi_k3` wrapper (`text_config` nested).
 
-        Unknown fields raise ValueError naming them; known metadata is kept in `extra`; the other
-        towers of a wrapper (`vision_config`, ...) are set aside in `extra["_wrapper"]`.
+        A K3 config (the wrapper, or a bare dict declaring a K3 feature) missing one of
+        `K3_REQUIRED_FIELDS` raises ValueError naming it; a Kimi-Linear one keeps the defaults.
+        Known metadata is kept in `extra`; unknown keys too, with a warning naming them (at any
+        level: `extra`, `extra["_linear_attn_config"]`, the wrapper); the other towers of a wrapper
+        (`vision_config`, ...) are set aside in `extra["_wrapper"]`. Special ids outside the
+        vocabulary raise ValueError, at the wrapper's top level too.
         """
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if d.get("model_type") == "kimi_k3" or "text_config" in d:
             unknown = sorted(set(d) - _WRAPPER_KEYS)
-            if unknown:
-                raise ValueError(f"{source}: unknown top-level field(s) {unknown} in a kimi_k3 config")
+            if unknown:  # kept in the wrapper, which a save writes back
+                warn_unknown(source, unknown, _WRAPPER_KEYS, "top-level ")
             if "text_config" not in d:
                 raise ValueError(f"{source}: kimi_k3 config has no 'text_config'")
             wrapper = {k: v for k, v in d.items() if k != "text_config"}
-            cfg = cls.from_dict(d["text_config"], source=f"{source}: text_config")
+            cfg = cls._from_text(d["text_config"], f"{source}: text_config", k3_form=True)
             cfg.extra["_wrapper"] = wrapper
+            try:
+                cfg._check_token_ids()  # now with the wrapper's ids
+            except ValueError as e:
+                raise ValueError(f"{source}: {e}") from None
             return cfg
+        return cls._from_text(d, source, k3_form=False)
+
+    @classmethod
+    def _from_text(cls, d: Any, source: str, *, k3_form: bool) -> "K3Config":
+        """A `text_config` / bare `kimi_linear` dict; `k3_form` True for a wrapper's, else detected."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(d).__name__}")
         if d.get("model_type", "kimi_linear") != "kimi_linear":
             raise ValueError(f"{source}: field 'model_type' must be 'kimi_linear' or 'kimi_k3', "
                              f"got {d['model_type']!r}")
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
-        extra = {k: v for k, v in d.items() if k in _METADATA_KEYS and k not in names}
+        extra = {k: v for k, v in d.items() if k not in names and k not in _TRANSFORMERS_DERIVED}
         derived = {k: v for k, v in d.items() if k in _TRANSFORMERS_DERIVED}
         unknown = sorted(set(d) - names - _METADATA_KEYS - _TRANSFORMERS_DERIVED)
+        la = d.get("linear_attn_config")
+        la_names = {f.name for f in dataclasses.fields(LinearAttnConfig)}
+        la_unknown = sorted(set(la) - la_names) if isinstance(la, dict) else []
+        if la_unknown:
+            extra["_linear_attn_config"] = {k: la[k] for k in la_unknown}
+            kwargs["linear_attn_config"] = {k: v for k, v in la.items() if k in la_names}
         if unknown:
-            hints = [f"{u} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(u, names, 1)) else u
-                     for u in unknown]
-            raise ValueError(f"{source}: unknown field(s) {', '.join(hints)}")
+            warn_unknown(source, unknown, names)
+        if la_unknown:
+            warn_unknown(source, la_unknown, la_names, "linear_attn_config.")
+        markers = k3_markers(d)
+        if k3_form or markers:
+            missing = missing_k3_fields(d)
+            if missing:
+                why = "it is a kimi_k3 config" if k3_form else f"it declares K3 feature(s) {', '.join(markers)}"
+                defaults = ", ".join(f"{n} {_default_of(n)!r}" for n in missing)
+                hint = typo_hint(unknown + la_unknown, missing)
+                raise ValueError(f"{source}: missing K3 field(s) {', '.join(repr(n) for n in missing)}{hint}: "
+                                 f"{why}, and openk3's defaults ({defaults}) are Kimi-Linear's or differ between "
+                                 "engines, so the model would silently differ; set them explicitly")
         if "max_position_embeddings" not in kwargs and isinstance(d.get("model_max_length"), int):
             kwargs["max_position_embeddings"] = d["model_max_length"]  # transformers' spelling of the same field
         if "linear_attn_config" in kwargs:
             kwargs["linear_attn_config"] = _build(LinearAttnConfig, kwargs["linear_attn_config"],
-                                                  f"{source}: linear_attn_config")
-        cfg = _build(cls, {**kwargs, "extra": extra}, source)
+                                                  f"{source}: linear_attn_config", la_unknown)
+        cfg = _build(cls, {**kwargs, "extra": extra}, source, unknown)
         cfg._check_transformers_derived(derived, source)
         return cfg
 
@@ -318,8 +403,20 @@ class K3Config:
         return cls.from_dict(read_json(path), source=str(path))
 
     def replace(self, **changes: Any) -> "K3Config":
-        """A copy with `changes` applied (dotted keys `linear_attn_config.x` allowed), re-validated."""
+        """A copy with `changes` applied (dotted keys `linear_attn_config.x` allowed), re-validated.
+
+        A new `vocab_size` moves the special ids that sit in K3's reserved block (the last 256 ids) to
+        the same offsets in the new vocabulary, unless `changes` sets them (`eos_token_id`, `extra`).
+        """
         d = dataclasses.asdict(self)
+        old_v, new_v = self.vocab_size, changes.get("vocab_size", self.vocab_size)
+        if isinstance(new_v, int) and not isinstance(new_v, bool) and new_v != old_v:
+            if "eos_token_id" not in changes:
+                d["eos_token_id"] = moved_id(d["eos_token_id"], old_v, new_v)
+            if "extra" not in changes:
+                for ids in (d["extra"], d["extra"].get("_wrapper", {})):
+                    for k in SPECIAL_ID_OFFSETS.keys() & ids.keys():
+                        ids[k] = moved_id(ids[k], old_v, new_v)
         for key, value in changes.items():
             target, leaf = d, key
             if "." in key:
@@ -374,8 +471,14 @@ _TRANSFORMERS_DERIVED = frozenset({"layer_types", "mlp_layer_types", "linear_con
                                    "linear_num_heads", "qk_head_dim"})
 
 
-def _build(cls: type, d: Any, source: str) -> Any:
-    """cls(**d) with ValueErrors that name the missing or unknown field."""
+def _default_of(name: str) -> Any:
+    head, _, leaf = name.rpartition(".")
+    return {f.name: f.default for f in dataclasses.fields(LinearAttnConfig if head else K3Config)}[leaf]
+
+
+def _build(cls: type, d: Any, source: str, set_aside: list[str] = ()) -> Any:
+    """cls(**d) with ValueErrors that name the missing or unknown field; `set_aside`: the file's
+    unknown keys (kept in `extra`), named when they look like a missing field (a typo)."""
     if isinstance(d, cls):
         return d
     if not isinstance(d, dict):
@@ -387,7 +490,7 @@ def _build(cls: type, d: Any, source: str) -> Any:
     missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING and n not in d]
     if missing:
-        raise ValueError(f"{source}: missing required field(s) {missing}")
+        raise ValueError(f"{source}: missing required field(s) {missing}{typo_hint(set_aside, missing)}")
     try:
         return cls(**d)
     except ValueError as e:  # validate() names the field; say which file it came from

@@ -94,7 +94,7 @@ def tiny_text_config(**changes) -> dict:
         "attn_res_block_size": 3,
         "num_nextn_predict_layers": 0,
         "tie_word_embeddings": False,
-        "eos_token_id": 163586,
+        "eos_token_id": 100,  # inside the vocabulary (101 ids are too few for K3's 256 reserved ones)
         "dtype": "bfloat16",
         "linear_attn_config": {
             "num_heads": 4,
@@ -131,10 +131,10 @@ def wrapper_config(text_config: dict) -> dict:
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
-        "bos_token_id": 163584,
-        "eos_token_id": 163586,
-        "pad_token_id": 163839,
-        "media_placeholder_token_id": 163605,
+        "bos_token_id": 98,  # the release's 163584/163586/163839/163605 lie outside the tiny vocabulary
+        "eos_token_id": text_config["eos_token_id"],
+        "pad_token_id": 99,
+        "media_placeholder_token_id": 97,
         "image_placeholder": "<|kimi_image_placeholder|>",
         "tie_word_embeddings": False,
         "ignore_index": -100,

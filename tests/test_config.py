@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from openk3.config import PRESETS, K3Config, as_kimi_linear, k3, kimi_linear_48b, nano, preset
+from openk3.config_rules import K3_REQUIRED_FIELDS, NUM_RESERVED_SPECIALS, SPECIAL_ID_OFFSETS, k3_special_id
 from openk3.model.accounting import count_params, state_bytes
 from openk3.model.model import K3ForCausalLM
 
@@ -173,19 +174,170 @@ def test_from_dict_missing_required_field_is_named():
         K3Config.from_dict(d)
 
 
-def test_from_dict_unknown_field_is_named_with_suggestion():
+def test_unknown_fields_are_kept_with_a_warning_and_written_back(tmp_path):
+    """The release's config may carry keys the spec does not list: kept (warning naming file and keys,
+    with a suggestion for a near miss), at every level, and written back by to_dict and by a save."""
+    from openk3.checkpoint.layout import config_files
+
     d = nano().to_dict()
     d["num_expert_per_token"] = 4
-    with pytest.raises(ValueError, match=r"num_expert_per_token.*did you mean 'num_experts_per_token'"):
-        K3Config.from_dict(d)
-    d = nano().to_dict()
     d["linear_attn_config"]["gate_lower_bnd"] = -5.0
-    with pytest.raises(ValueError, match="gate_lower_bnd"):
-        K3Config.from_dict(d)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with pytest.warns(UserWarning, match=rf"{re.escape(str(path))}: unknown field\(s\) num_expert_per_token "
+                                         r"\(did you mean 'num_experts_per_token'\?\)"):
+        with pytest.warns(UserWarning, match=r"linear_attn_config\.gate_lower_bnd"):
+            cfg = K3Config.from_json(path)
+    assert cfg.num_experts_per_token == 4 and cfg.extra["num_expert_per_token"] == 4
+    out = cfg.to_dict()
+    assert out["num_expert_per_token"] == 4 and out["linear_attn_config"]["gate_lower_bnd"] == -5.0
+    cfg.to_json(tmp_path / "again.json")
+    with pytest.warns(UserWarning):
+        assert K3Config.from_json(tmp_path / "again.json") == cfg
     w = _k3_wrapper()
-    w["audio_config"] = {}
-    with pytest.raises(ValueError, match="audio_config"):
-        K3Config.from_dict(w)
+    w["audio_config"] = {"layers": 2}
+    w["text_config"]["moe_new_knob"] = 1
+    with pytest.warns(UserWarning, match="top-level audio_config"):
+        with pytest.warns(UserWarning, match="moe_new_knob"):
+            cfg = K3Config.from_dict(w, source="w.json")
+    top, _ = config_files(cfg, wrapper=True, experts_format="bf16", dtype=torch.bfloat16)
+    assert top["audio_config"] == {"layers": 2} and top["text_config"]["moe_new_knob"] == 1
+    bare, _ = config_files(cfg, wrapper=False, experts_format="bf16", dtype=torch.bfloat16)
+    assert bare["moe_new_knob"] == 1
+
+
+def test_missing_required_field_names_a_likely_typo():
+    """Unknown keys only warn now, so a misspelt required field is named in the missing-field error."""
+    d = nano().to_dict()
+    d["hidden_sise"] = d.pop("hidden_size")
+    with pytest.warns(UserWarning, match="hidden_sise"):
+        with pytest.raises(ValueError, match=r"missing required field\(s\) \['hidden_size'\] \(misspelt\? the file "
+                                             r"has 'hidden_sise' for 'hidden_size'\)"):
+            K3Config.from_dict(d)
+    d = nano().to_dict()
+    d["linear_attn_config"]["num_head"] = d["linear_attn_config"].pop("num_heads")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"linear_attn_config: missing .*'num_head' for"):
+        K3Config.from_dict(d)
+
+
+def test_known_metadata_keys_load_without_a_warning(recwarn):
+    K3Config.from_dict(_kimi_linear_48b_json())
+    K3Config.from_dict(_k3_wrapper())
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+@pytest.mark.parametrize("name", K3_REQUIRED_FIELDS)
+def test_k3_config_missing_a_k3_field_is_refused(name, tmp_path):
+    """Every default in K3_REQUIRED_FIELDS is Kimi-Linear's (SiLU, softplus gate, no AttnRes, ...): a
+    K3 config without the field, wrapped or bare, is refused naming the file and the field."""
+    head, _, leaf = name.rpartition(".")
+    for form in ("wrapper", "bare"):
+        d = _k3_wrapper() if form == "wrapper" else nano().to_dict()
+        text = d["text_config"] if form == "wrapper" else d
+        del (text[head] if head else text)[leaf]
+        path = tmp_path / f"{form}.json"
+        path.write_text(json.dumps(d))
+        with pytest.raises(ValueError, match=rf"{re.escape(str(path))}.*missing K3 field\(s\) '{re.escape(name)}'"):
+            K3Config.from_json(path)
+
+
+def test_missing_k3_field_error_says_why_and_spots_a_misspelling():
+    d = nano().to_dict()
+    d["hiden_act"] = d.pop("hidden_act")
+    with pytest.warns(UserWarning):
+        with pytest.raises(ValueError, match=r"missing K3 field\(s\) 'hidden_act' \(misspelt\? the file has "
+                                             r"'hiden_act' for 'hidden_act'\).*attn_res_block_size.*'silu'"):
+            K3Config.from_dict(d)
+    # a Kimi-Linear file (no K3 feature declared) keeps the defaults: nothing is required of it
+    kl = _kimi_linear_48b_json()
+    for key in ("routed_scaling_factor", "moe_renormalize", "rms_norm_eps", "first_k_dense_replace"):
+        del kl[key]
+    cfg = K3Config.from_dict(kl)
+    assert cfg.hidden_act == "silu" and cfg.linear_attn_config.gate_lower_bound is None
+    assert cfg.routed_scaling_factor == 1.0 and cfg.rms_norm_eps == 1e-5
+    # SwiGLU in K3 form needs no SiTU betas
+    d = _k3_wrapper()
+    d["text_config"]["hidden_act"] = "silu"
+    del d["text_config"]["activation_situ_beta"], d["text_config"]["activation_situ_linear_beta"]
+    assert K3Config.from_dict(d).hidden_act == "silu"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rms_norm_eps", 0.0), ("rms_norm_eps", -1e-5), ("rms_norm_eps", float("nan")), ("max_position_embeddings", 0),
+    ("q_lora_rank", 0), ("num_shared_experts", -1), ("activation_situ_beta", 0.0),
+    ("activation_situ_linear_beta", -25.0), ("routed_scaling_factor", float("inf")),
+    ("linear_attn_config.gate_lower_bound", float("-inf")), ("hidden_size", 0),
+])
+def test_numeric_sanity_names_field_and_value(field, value):
+    d = nano().to_dict()
+    head, _, leaf = field.rpartition(".")
+    (d[head] if head else d)[leaf] = value
+    expect = rf"cfg\.json: config field '{re.escape(field)}' must be .*got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=expect):
+        K3Config.from_dict(d, source="cfg.json")
+
+
+def test_special_ids_must_lie_in_the_vocabulary(tmp_path):
+    d = nano().to_dict()
+    d["eos_token_id"] = 163586  # the release's id beside a 512-token vocabulary: no engine would ever stop
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: config field 'eos_token_id' must be a token id "
+                                         r"in \[0, 512\).*got 163586 \(K3's layout puts it at 258"):
+        K3Config.from_json(path)
+    for key, value in (("eos_token_id", [258, 512]), ("eos_token_id", -1), ("bos_token_id", 512),
+                       ("pad_token_id", "511"), ("eos_token_id", [None])):
+        with pytest.raises(ValueError, match=rf"config field '{key}' must be (a token id|an integer)"):
+            K3Config.from_dict({**nano().to_dict(), key: value})
+    w = _k3_wrapper()
+    w["pad_token_id"] = 163840
+    with pytest.raises(ValueError, match=r"w\.json: config field 'pad_token_id' \(top level\) must be a token id "
+                                         r"in \[0, 163840\).*163839"):
+        K3Config.from_dict(w, source="w.json")
+    # null is allowed, and an eos list inside the vocabulary
+    cfg = K3Config.from_dict({**nano().to_dict(), "eos_token_id": None, "bos_token_id": None})
+    assert cfg.eos_token_id is None
+    assert K3Config.from_dict({**nano().to_dict(), "eos_token_id": [258, 257]}).eos_token_id == [258, 257]
+    with pytest.raises(ValueError, match="eos_token_id"):
+        nano().replace(eos_token_id=600)
+
+
+def test_presets_special_ids_follow_their_vocabulary():
+    """K3's 256 reserved ids are the top of the vocabulary, so eos (<|end_of_msg|>) is vocab_size - 254;
+    the k3 preset keeps the release's ids exactly."""
+    for name in PRESET_NAMES + ["small-kl"]:
+        cfg = preset(name)
+        assert cfg.eos_token_id == cfg.vocab_size - 256 + 2 < cfg.vocab_size, name
+    assert nano().eos_token_id == 258 and preset("small").eos_token_id == 7938
+    assert k3().eos_token_id == 163586
+    assert [k3_special_id(163840, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id",
+                                               "media_placeholder_token_id")] == [163584, 163586, 163839, 163605]
+    assert k3_special_id(255, "eos_token_id") is None
+
+
+def test_special_offsets_match_the_tokenizer_table():
+    from openk3.tokenizer.special import K3_NAMED_SPECIALS, NUM_RESERVED
+
+    offsets = {name: off for off, name, _ in K3_NAMED_SPECIALS}
+    assert NUM_RESERVED == NUM_RESERVED_SPECIALS
+    assert SPECIAL_ID_OFFSETS == {"bos_token_id": offsets["[BOS]"], "eos_token_id": offsets["<|end_of_msg|>"],
+                                  "media_placeholder_token_id": offsets["<|media_pad|>"],
+                                  "pad_token_id": offsets["[PAD]"]}
+
+
+def test_eos_default_and_resize_follow_the_vocabulary():
+    d = nano().to_dict()
+    del d["eos_token_id"]
+    assert K3Config.from_dict({**d, "vocab_size": 1000}).eos_token_id == 746
+    assert K3Config.from_dict({**d, "vocab_size": 100}).eos_token_id is None  # no room for the reserved block
+    assert nano().replace(vocab_size=1024).eos_token_id == 770
+    assert nano().replace(vocab_size=1024, eos_token_id=5).eos_token_id == 5  # an explicit id wins
+    assert nano().replace(vocab_size=100).eos_token_id is None
+    cfg = nano().replace(eos_token_id=[258, 3], extra={"bos_token_id": 256, "pad_token_id": 0})
+    big = cfg.replace(vocab_size=2048)
+    assert big.eos_token_id == [1794, 3] and big.extra == {"bos_token_id": 1792, "pad_token_id": 0}
+    assert cfg.eos_token_id == [258, 3], "replace must not mutate the original"
+    assert K3Config.from_dict(_k3_wrapper()).replace(vocab_size=1024).extra["_wrapper"]["pad_token_id"] == 1023
 
 
 @pytest.mark.parametrize("case", ["kda_overlaps_full", "kda_missing_layer", "full_out_of_range", "full_duplicate"])

@@ -170,3 +170,34 @@ def test_route_is_fp32_for_bf16_input():
     # logits from fp32 upcasts of the bf16 values, not a bf16 matmul
     expect = torch.sigmoid(x.float() @ w.float().T)
     assert_close("fp32 router scores", expect, scores, 1e-6)
+
+
+def test_route_top1_weight_is_the_raw_score():
+    """Top-1 keeps the raw sigmoid score (the reference renormalises only when top_k > 1, spec §4.6);
+    renormalising a single weight would make it exactly 1 and cut the router's gradient."""
+    x = torch.tensor([[1.0, -2.0], [0.5, 0.25]], dtype=torch.float64)
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    bias = torch.tensor([0.0, 0.0, 5.0], dtype=torch.float64)  # selects expert 2 for every token
+    # by hand: logits of expert 2 are x0 + x1 = -1.0 and 0.75
+    expect = torch.tensor([[1 / (1 + torch.e)], [1 / (1 + torch.e ** -0.75)]], dtype=torch.float64)
+    for renormalize in (True, False):
+        wts, idx, _ = route(x, w, bias, top_k=1, renormalize=renormalize, scaling=2.0)
+        assert idx.tolist() == [[2], [2]]
+        assert_close(f"top-1 weight (renormalize={renormalize})", 2.0 * expect, wts, 1e-15)
+    # the router still gets a gradient through the score (a renormalised weight of 1.0 would give none)
+    w_req = w.clone().requires_grad_()
+    wts, _, _ = route(x, w_req, bias, top_k=1, renormalize=True, scaling=1.0)
+    (g,) = torch.autograd.grad(wts.sum(), w_req)
+    assert g[2].abs().sum() > 0
+
+
+def test_route_top2_still_renormalises():
+    """k > 1 is unchanged: the chosen scores are divided by their sum (here computed by hand)."""
+    x = torch.tensor([[1.0, -2.0]], dtype=torch.float64)
+    w = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    bias = torch.tensor([5.0, 0.0, 5.0], dtype=torch.float64)  # selects experts 0 and 2
+    wts, idx, _ = route(x, w, bias, top_k=2, renormalize=True, scaling=1.0)
+    s0, s2 = 1 / (1 + torch.e ** -1.0), 1 / (1 + torch.e)  # sigmoid(1), sigmoid(-1)
+    got = dict(zip(idx[0].tolist(), wts[0].tolist()))
+    assert got.keys() == {0, 2}
+    assert abs(got[0] - s0 / (s0 + s2)) < 1e-15 and abs(got[2] - s2 / (s0 + s2)) < 1e-15

@@ -22,7 +22,10 @@ def route(x_ND: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, *
     """Sigmoid router with a selection-only correction bias (DeepSeek-V3 `noaux_tc`, spec §4.6, §5).
 
     Everything is fp32 (or float64 when given float64). The bias steers *which* experts are chosen;
-    the mixing weights come from the unbiased scores, renormalised over the chosen k.
+    the mixing weights come from the unbiased scores, renormalised over the chosen k when
+    `renormalize` and k > 1. With k = 1 the weight stays the raw sigmoid score, as in the reference
+    (`top_k > 1 and renormalize`, spec §4.6): renormalising would make it exactly 1 and drop the score's
+    scale (and its gradient into the router).
 
     Returns:
         weights_NK (fp32), idx_NK (int64), scores_NE (fp32 sigmoid scores, for balancing).
@@ -33,7 +36,7 @@ def route(x_ND: torch.Tensor, w_router_ED: torch.Tensor, bias_E: torch.Tensor, *
     choice_NE = scores_NE + bias_E.to(scores_NE.dtype)
     idx_NK = torch.topk(choice_NE, k=top_k, dim=-1, sorted=False).indices
     weights_NK = scores_NE.gather(1, idx_NK)
-    if renormalize:
+    if renormalize and top_k > 1:
         weights_NK = weights_NK / (weights_NK.sum(dim=-1, keepdim=True) + 1e-20)
     return weights_NK * scaling, idx_NK, scores_NE
 
