@@ -229,18 +229,18 @@ def test_release_layout_matches_spec_totals():
 
 def test_config_files_wrapper_and_bare(tmp_path):
     k3 = _model("k3")
-    k3.config.eos_token_id = [163586, 163585]
+    k3.config.eos_token_id = [258, 257]  # a list of stop ids, inside nano's vocabulary
     save(k3, tmp_path / "w")
     top = json.loads((tmp_path / "w" / "config.json").read_text())
     assert top["architectures"] == ["KimiK3ForConditionalGeneration"] and top["model_type"] == "kimi_k3"
-    assert top["tie_word_embeddings"] is False and top["eos_token_id"] == [163586, 163585]
+    assert top["tie_word_embeddings"] is False and top["eos_token_id"] == [258, 257]
     assert "bos_token_id" in top and "pad_token_id" in top
     text = top["text_config"]
     assert text["model_type"] == "kimi_linear" and text["architectures"] == ["KimiLinearForCausalLM"]
     assert "quantization_config" not in text and "quantization_config" not in top
     assert text == k3.config.to_dict() | {"dtype": "bfloat16"}
     gen = json.loads((tmp_path / "w" / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [163586, 163585]
+    assert gen["eos_token_id"] == [258, 257]
     cfg = read_config(tmp_path / "w")
     assert cfg == read_config(tmp_path / "w" / "config.json")
     assert {k: v for k, v in vars(cfg).items() if k != "extra"} == \
@@ -252,7 +252,8 @@ def test_config_files_wrapper_and_bare(tmp_path):
     bare = json.loads((tmp_path / "b" / "config.json").read_text())
     assert bare["model_type"] == "kimi_linear" and "text_config" not in bare
     assert bare["bos_token_id"] is None and bare["pad_token_id"] is None  # release ids lie outside vocab 512
-    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == {"eos_token_id": 163586}
+    assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == \
+        {"eos_token_id": kl.config.eos_token_id}
     # the wrapper default follows the config: a Kimi-Linear config read from a wrapper stays a wrapper
     kl.config.extra["_wrapper"] = {"vision_config": {"patch_size": 14}, "bos_token_id": 1, "pad_token_id": 0,
                                    "media_placeholder_token_id": 7}
@@ -261,7 +262,7 @@ def test_config_files_wrapper_and_bare(tmp_path):
     assert top["vision_config"] == {"patch_size": 14} and top["media_placeholder_token_id"] == 7
     assert (top["bos_token_id"], top["pad_token_id"]) == (1, 0)
     assert json.loads((tmp_path / "kw" / "generation_config.json").read_text()) == \
-        {"bos_token_id": 1, "eos_token_id": 163586, "pad_token_id": 0}
+        {"bos_token_id": 1, "eos_token_id": kl.config.eos_token_id, "pad_token_id": 0}
     assert all(k.startswith(P) for k in _headers(tmp_path / "kw"))
     save(k3, tmp_path / "k3bare", wrapper=False)  # explicit override
     assert "text_config" not in json.loads((tmp_path / "k3bare" / "config.json").read_text())
@@ -316,9 +317,10 @@ def test_mxfp4_save_load(tmp_path, form):
     # float32: the MXFP4 kernel sums in another order and its vector GLU is within ~2 ulp of libm's
     torch.testing.assert_close(_logits(packed), _logits(back, moe_impl="loop"), rtol=1e-5, atol=1e-5)
 
-    # re-saving: bf16 from either copy drops the quantization_config; mxfp4 from packed is bit-exact
-    save(back, tmp_path / "b1", dtype=torch.float32)
-    save(packed, tmp_path / "b2", dtype=torch.float32)
+    # re-saving as bf16 (explicitly: the default keeps MXFP4) from either copy drops the
+    # quantization_config; mxfp4 from packed is bit-exact
+    save(back, tmp_path / "b1", experts_format="bf16", dtype=torch.float32)
+    save(packed, tmp_path / "b2", experts_format="bf16", dtype=torch.float32)
     for d in ("b1", "b2"):
         cfg_d = json.loads((tmp_path / d / "config.json").read_text())
         assert "quantization_config" not in json.dumps(cfg_d)

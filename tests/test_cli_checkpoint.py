@@ -41,15 +41,15 @@ def test_info_path_reports_files_by_dtype(saved, capsys):
     assert files["total_bytes"] == index["metadata"]["total_size"]
 
 
-def test_info_path_lists_missing_shards(saved, tmp_path, capsys):
+def test_info_path_of_a_checkpoint_missing_a_shard_exits_2_naming_it(saved, tmp_path, capsys):
     import shutil
 
     broken = tmp_path / "broken"
     shutil.copytree(saved / "bf16", broken)
     victim = sorted(broken.glob("model-*.safetensors"))[0]
     victim.unlink()
-    assert main(["info", str(broken)]) == 0
-    assert victim.name in capsys.readouterr().out
+    assert main(["info", str(broken)]) == 2
+    assert victim.name in capsys.readouterr().err
 
 
 def test_convert_mxfp4_and_back_and_config_forms(saved, capsys):

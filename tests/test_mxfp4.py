@@ -121,6 +121,28 @@ def test_round_trip_of_representable_values_is_exact(shape):
         assert torch.equal(unpack(p, s, dtype), w)
 
 
+def test_repacking_any_unpacked_bytes_keeps_the_values():
+    """What `openk3.save` relies on for a model loaded (unpacked) from MXFP4 written by another encoder:
+    any codes with any scale byte 2..252 (decoded exactly, spec §6) re-pack to the same values. The bytes
+    come back too in pack's canonical form (a group's largest |code| 4 or 6, zero groups at byte 0) and
+    differ otherwise: e.g. (1.5, scale 2^s) re-packs as (6, scale 2^(s-2))."""
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (64, 256), generator=g, dtype=torch.uint8)
+    codes[:16] &= 0b1011  # small magnitudes only (|v| <= 1.5) in some rows: non-canonical groups
+    codes[16, :32] = 8  # an all -0 group with a non-zero scale
+    scale = torch.randint(2, 253, (64, 256 // GROUP), generator=g, dtype=torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    canonical = ((codes & 7).reshape(64, -1, GROUP).amax(-1) >= 6)  # magnitude index 6, 7 = 4.0, 6.0
+    for dtype in (torch.bfloat16, torch.float32, torch.float64):
+        w = unpack(packed, scale, dtype)
+        p, s = pack(w)
+        again = unpack(p, s, dtype)
+        assert torch.equal(again, w) and torch.equal(torch.signbit(again), torch.signbit(w)), dtype
+        assert torch.equal(s[canonical], scale[canonical]) and not torch.equal(s, scale)
+        rows = canonical.all(-1)
+        assert torch.equal(p[rows], packed[rows])
+
+
 def test_zero_group_uses_byte_0_and_keeps_signed_zeros():
     w = torch.zeros(2, 64)
     w[0, 1] = -0.0

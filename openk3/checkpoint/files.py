@@ -124,9 +124,12 @@ def weight_map(folder: Path) -> dict[str, str]:
         wm = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
             raise ValueError(f"{index}: field 'weight_map' must be an object mapping tensor names to shard files")
-        bad = sorted({v for v in wm.values() if os.path.basename(v) != v or v in ("", ".", "..")})
+        # only plain names: `..` parts, sub-folders or absolute paths could make a load (or `openk3 info`)
+        # open files outside the checkpoint folder
+        bad = sorted(f"{k!r}: {v!r}" for k, v in wm.items() if os.path.basename(v) != v or v in ("", ".", ".."))
         if bad:
-            raise ValueError(f"{index}: shard file names must be plain names inside the folder, got {bad}")
+            raise ValueError(f"{index}: weight_map entries must name shard files inside the folder (plain file "
+                             f"names), got {_some(bad, 4)}")
         return wm
     single = folder / SINGLE
     if not single.exists():

@@ -63,6 +63,19 @@ def mxfp4_quantization_config() -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class LoadedFormat:
+    """How the checkpoint a model was read from stored it; `load` sets it as `model.loaded_format` and
+    `save` writes the same form unless told otherwise (a model built in memory has none: bf16 experts).
+
+    `quantization_config` is the source's own (compressed-tensors) object when its experts were MXFP4,
+    written back verbatim: other tools add to the release's incomplete ignore list (spec §1.5).
+    """
+
+    experts_format: str
+    quantization_config: dict[str, Any] | None = None
+
+
 def experts_format_of(cfg: K3Config, source: str) -> str:
     """"mxfp4" when the config declares the release's quantization, "bf16" when it declares none."""
     q = cfg.extra.get("quantization_config")
@@ -174,13 +187,14 @@ def _token(cfg: K3Config, key: str, default: int) -> Any:
     return default if default < cfg.vocab_size else None
 
 
-def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str,
-                 dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json, generation_config.json) contents for a save."""
+def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str, dtype: torch.dtype,
+                 quantization_config: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, generation_config.json) contents for a save. `quantization_config`: the one to
+    write with MXFP4 experts (default the release's, `mxfp4_quantization_config()`)."""
     text = cfg.to_dict()
     text.pop("quantization_config", None)  # never a stale one: it follows the experts format written
     if experts_format == "mxfp4":
-        text["quantization_config"] = mxfp4_quantization_config()
+        text["quantization_config"] = copy.deepcopy(quantization_config or mxfp4_quantization_config())
     text["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     if "torch_dtype" in text:
         text["torch_dtype"] = text["dtype"]

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import math
+import os
 import re
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from openk3.checkpoint.layout import (
     TORCH_DTYPES,
     VISION_PREFIXES,
     Entry,
+    LoadedFormat,
     a_log_accepted_shapes,
     experts_format_of,
     island_dtype,
@@ -22,7 +27,7 @@ from openk3.checkpoint.layout import (
     meta_model,
 )
 from openk3.config import K3Config
-from openk3.quant.mxfp4 import SCALE_NAN
+from openk3.quant.mxfp4 import E2M1_MAX, SCALE_BIAS, SCALE_NAN, unpack
 
 LOAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -46,11 +51,82 @@ def read_config(path) -> K3Config:
         raise ValueError(f"{p}: invalid config ({type(e).__name__}: {e})") from None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint folder `path` names: a checkpoint folder itself (it has config.json), its
+    config.json, or a training run folder (`openk3 train --out DIR`, or its `checkpoints/` folder), whose
+    latest complete checkpoint is used (`checkpoints/latest`, see `openk3.train.state.find_latest`).
+
+    Raises FileNotFoundError for a path that does not exist, ValueError naming the path otherwise.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such checkpoint or training run folder")
+    if p.is_file():
+        if p.name == "config.json":
+            return p.parent
+        raise ValueError(f"{p}: a file; give a checkpoint folder (with config.json) or a training run folder")
+    if (p / "config.json").is_file():
+        return p
+    # lazily: the run layout belongs to openk3.train, which a plain checkpoint load never needs
+    from openk3.train.state import checkpoint_root, find_latest
+
+    run = p.parent if p.name == "checkpoints" and not checkpoint_root(p).is_dir() else p
+    ckpt = find_latest(run)
+    if ckpt is not None:
+        return ckpt
+    if checkpoint_root(run).is_dir():
+        raise ValueError(f"{p}: a training run folder without a complete checkpoint yet")
+    raise ValueError(f"{p}: not a checkpoint folder (no config.json) nor a training run folder (no checkpoints/)")
+
+
+@dataclasses.dataclass
+class Inventory:
+    """A checkpoint folder checked against its config (`inventory`), before any tensor data is read."""
+
+    folder: Path
+    cfg: K3Config
+    experts_format: str
+    prefix: str  # "language_model." for a kimi_k3 wrapper, "" for a bare config
+    weight_map: dict[str, str]  # file tensor name -> shard file
+    headers: dict[str, tuple[str, list[int]]]  # file tensor name -> (safetensors dtype, shape), every tensor
+    src: dict[str, str]  # canonical (prefixed) name -> file name (they differ for transformers' dense MLP)
+    model: nn.Module  # the config's model on the meta device
+    entries: list[Entry]  # its file layout, in reading order
+
+
+def inventory(path, *, keep_handles: bool = False) -> tuple[Inventory, dict]:
+    """Resolve `path` (`resolve_checkpoint`), read its config, index and every shard header, and check
+    the tensors against the config: names, shapes, dtypes (`_check`). Reads no tensor data.
+
+    Returns the inventory and the open shard handles (closed and empty unless `keep_handles`).
+    Raises FileNotFoundError / ValueError as `load` does.
+    """
+    folder = resolve_checkpoint(path)
+    cfg = read_config(folder)
+    fmt = experts_format_of(cfg, str(folder / "config.json"))
+    prefix = PREFIX if "_wrapper" in cfg.extra else ""
+    wm = files.weight_map(folder)
+    info, handles = files.headers(folder, wm)
+    try:
+        src = {n: n for n in info} if prefix else _transformers_aliases(cfg, info)
+        model = meta_model(cfg)
+        entries = layout(cfg, fmt, model)
+        _check(folder, cfg, fmt, prefix, entries, {name: info[file_name] for name, file_name in src.items()})
+    except BaseException:
+        files.close(handles)
+        raise
+    if not keep_handles:
+        files.close(handles)
+    return Inventory(folder, cfg, fmt, prefix, wm, info, src, model, entries), handles
+
+
 def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", *,
          keep_packed: bool = False):
     """Build the model of a checkpoint folder and fill it tensor by tensor from its safetensors files.
 
     Args:
+        path: a checkpoint folder, its config.json, or a training run folder (its latest complete
+            checkpoint; `resolve_checkpoint`).
         dtype: None keeps the on-disk dtypes (trunk dtype = that of `model.embed_tokens.weight`; fp32
             islands fp32; MXFP4 experts unpacked to the trunk dtype). A dtype casts like
             `K3ForCausalLM.cast` (islands stay fp32 unless float64).
@@ -58,34 +134,27 @@ def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "c
         keep_packed: MXFP4 experts stay packed (`openk3.quant.PackedExperts`, 4.25 bits/weight) instead
             of being unpacked (exactly) to `dtype`. No effect on a checkpoint with float experts.
 
+    The model gets `loaded_format` (`LoadedFormat`: the experts format and MXFP4 `quantization_config`
+    of the files), which `openk3.save` follows by default.
+
     Raises:
         FileNotFoundError: `path` does not exist.
-        ValueError: naming file/tensor/field: invalid config.json or index, a missing or corrupt shard,
-            missing/unexpected tensors, wrong shapes or dtypes, a non-zero `A_log` padding.
+        ValueError: naming file/tensor/field: invalid config.json or index (or an index entry outside
+            the folder), a missing or corrupt shard, missing/unexpected tensors, wrong shapes or dtypes,
+            a non-zero `A_log` padding, a weight that is NaN/inf in the file or overflows `dtype`.
     """
     if dtype is not None and dtype not in LOAD_DTYPES:
         raise ValueError(f"dtype must be None or one of {LOAD_DTYPES}, got {dtype!r}")
-    folder = Path(path)
-    if folder.is_file() and folder.name == "config.json":
-        folder = folder.parent
-    cfg = read_config(folder)
-    fmt = experts_format_of(cfg, str(folder / "config.json"))
-    prefix = PREFIX if "_wrapper" in cfg.extra else ""
-    wm = files.weight_map(folder)
-    info, handles = files.headers(folder, wm)
-    # canonical name -> name in the file (they differ only for transformers' renamed dense MLP)
-    src = {n: n for n in info} if prefix else _transformers_aliases(cfg, info)
-    info = {canonical: info[name] for canonical, name in src.items()}
+    inv, handles = inventory(path, keep_handles=True)
+    folder, cfg, fmt, prefix, wm, src = inv.folder, inv.cfg, inv.experts_format, inv.prefix, inv.weight_map, inv.src
     try:
+        loaded = LoadedFormat(fmt, copy.deepcopy(cfg.extra.get("quantization_config")) if fmt == "mxfp4" else None)
         packed_in_memory = fmt == "mxfp4" and keep_packed
         if fmt == "mxfp4" and not keep_packed:  # the model in memory is not quantised: no stale metadata
             cfg.extra.pop("quantization_config", None)
             cfg.extra.get("_wrapper", {}).pop("quantization_config", None)
-        model = meta_model(cfg)
-        entries = layout(cfg, fmt, model)
-        _check(folder, cfg, fmt, prefix, entries, info)
-
-        trunk = dtype or TORCH_DTYPES[info[prefix + "model.embed_tokens.weight"][0]]
+        model, entries = inv.model, inv.entries
+        trunk = dtype or TORCH_DTYPES[inv.headers[src[prefix + "model.embed_tokens.weight"]][0]]
         filler = _Filler(model, cfg, trunk, torch.device(device), packed_in_memory, files.reads_owned_tensors())
         last = {wm[src[prefix + e.name]]: i for i, e in enumerate(entries)}
         for i, e in enumerate(entries):
@@ -95,7 +164,7 @@ def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "c
                 t = handles[file].get_tensor(name)
             except Exception as err:  # I/O or a corrupt data section
                 raise ValueError(f"{folder / file}: cannot read tensor {name} ({err})") from None
-            filler.put(e, t, name)
+            filler.put(e, t, name, folder / file)
             if last[file] == i:  # done with this shard: release it (and its mapping, without pread)
                 handles.pop(file).__exit__(None, None, None)
     finally:
@@ -103,6 +172,7 @@ def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "c
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:  # pragma: no cover - the layout covers every tensor of the model
         raise RuntimeError(f"openk3 bug: tensors left unloaded: {left[:10]}")
+    model.loaded_format = loaded
     return model
 
 
@@ -189,32 +259,41 @@ class _Filler:
                     mod.experts = PackedExperts(E, C, I, device="meta")
 
     @torch.no_grad()
-    def put(self, e: Entry, t: torch.Tensor, name: str) -> None:
+    def put(self, e: Entry, t: torch.Tensor, name: str, where: Path) -> None:
+        """Convert the file tensor `name` (read from file `where`) and put it in place, refusing values
+        that are NaN/inf in the file or overflow their in-memory dtype (checked here, tensor by tensor,
+        while each is in hand, so a load needs no second pass over the model)."""
         mod_name, leaf = e.param.rsplit(".", 1)
         if e.expert is None:
             if leaf == "A_log":
                 t = self._a_log(t, name)
             target = island_dtype(self.trunk) if e.kind == "island" else self.trunk
-            self._assign(mod_name, leaf, t.to(device=self.device, dtype=target, copy=self.copy))
+            out = t.to(device=self.device, dtype=target, copy=self.copy)
+            _require_finite(out, t, name, where)
+            self._assign(mod_name, leaf, out)
         elif e.kind == "float":
-            self._stack(mod_name, leaf, self.trunk).__getitem__(e.expert).copy_(t)
+            row = self._stack(mod_name, leaf, self.trunk)[e.expert]
+            row.copy_(t)
+            _require_finite(row, t, name, where)
             self._done(mod_name, leaf)
-        elif self.packed_in_memory:
-            if e.kind == "scale" and bool((t == SCALE_NAN).any()):  # as `unpack` would refuse it, at load
-                raise ValueError(f"{name}: MXFP4 scale byte 255 (E8M0 NaN) found; refusing to load NaN weights")
-            self._stack(mod_name, f"{leaf}_{e.kind}", torch.uint8).__getitem__(e.expert).copy_(t)
-            self._done(mod_name, f"{leaf}_{e.kind}")
+        elif e.kind == "packed":  # held until its scales arrive (the next tensor of the layout)
+            self.half[(e.param, e.expert)] = t.clone() if self.copy else t
         else:
-            key = (e.param, e.expert)
-            if e.kind == "packed":
-                self.half[key] = t.clone() if self.copy else t
+            packed = self.half.pop((e.param, e.expert))
+            if bool((t == SCALE_NAN).any()):  # as `unpack` would refuse it, for packed models too
+                raise ValueError(f"{where}: tensor {name}: MXFP4 scale byte 255 (E8M0 NaN) found; refusing to "
+                                 f"load NaN weights")
+            # E2M1 codes are all finite and every other scale byte is a finite power of two, so the only
+            # other failure is a weight too large for the dtype it is dequantised to
+            if self.packed_in_memory:
+                if int(t.max()) > _max_safe_scale_byte(self.trunk):  # rare: then decode to see
+                    _require_finite(unpack(packed, t, torch.float64).to(self.trunk), None, name, where)
+                for kind, v in (("packed", packed), ("scale", t)):
+                    self._stack(mod_name, f"{leaf}_{kind}", torch.uint8)[e.expert].copy_(v)
+                    self._done(mod_name, f"{leaf}_{kind}")
                 return
-            from openk3.quant.mxfp4 import unpack
-
-            try:
-                w = unpack(self.half.pop(key), t, self.trunk)
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
+            w = unpack(packed, t, self.trunk)
+            _require_finite(w, None, name, where)
             self._stack(mod_name, leaf, self.trunk)[e.expert].copy_(w)
             self._done(mod_name, leaf)
 
@@ -248,3 +327,27 @@ class _Filler:
             mod._parameters[leaf] = nn.Parameter(t, requires_grad=mod._parameters[leaf].requires_grad)
         else:
             mod._buffers[leaf] = t
+
+
+_FINITE_CHUNK = 1 << 24  # elements checked at a time: bounds the temporary mask to 16 MB
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, flat.numel(), _FINITE_CHUNK))
+
+
+def _require_finite(out: torch.Tensor, src: torch.Tensor | None, name: str, where: Path) -> None:
+    """ValueError naming the tensor and file if `out` (the in-memory form of file tensor `src`; None
+    for MXFP4, whose file bytes cannot hold NaN/inf beyond the scale byte checked before) is not finite."""
+    if _all_finite(out):
+        return
+    if src is not None and not _all_finite(src):
+        raise ValueError(f"{where}: tensor {name} holds NaN or inf values; refusing to load non-finite weights")
+    raise ValueError(f"{where}: tensor {name} has values too large for {out.dtype} (they become inf); "
+                     f"load with a wider dtype (e.g. dtype=torch.float32)")
+
+
+def _max_safe_scale_byte(dtype: torch.dtype) -> int:
+    """The largest E8M0 byte whose every MXFP4 value (|code| <= 6) is finite in `dtype`."""
+    return min(SCALE_NAN - 1, SCALE_BIAS + math.floor(math.log2(torch.finfo(dtype).max / E2M1_MAX)))

@@ -14,7 +14,7 @@ from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_file
 SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def save(model, path, *, wrapper: bool | None = None, experts_format: str = "bf16",
+def save(model, path, *, wrapper: bool | None = None, experts_format: str | None = None,
          dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `model` (a `K3ForCausalLM`, experts plain or `PackedExperts`) as a checkpoint folder.
 
@@ -26,7 +26,10 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str = "bf1
             the config uses K3-only Block AttnRes or was read from a wrapper.
         experts_format: "bf16" (routed experts as `dtype` floats) or "mxfp4" (compressed-tensors
             `weight_packed`/`weight_scale`, spec §6; experts held packed are written bit for bit,
-            float experts are quantised with `openk3.quant.mxfp4.pack`).
+            float experts are quantised with `openk3.quant.mxfp4.pack`, which gives back the exact
+            values of experts unpacked from MXFP4). None = the format the model was loaded in
+            (`model.loaded_format`, set by `openk3.load`; MXFP4 with the source's
+            `quantization_config` verbatim), "bf16" for a model built in memory.
         dtype: on-disk dtype of every tensor except the fp32 islands and MXFP4 bytes (float32 gives a
             lossless copy of an fp32 model).
         max_shard_bytes: above this many tensor bytes, write `model-0000i-of-0000N.safetensors`
@@ -36,6 +39,9 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str = "bf1
         ValueError: on a bad argument, a model whose tensors disagree with its config, or a `path`
             that is an existing file.
     """
+    loaded = getattr(model, "loaded_format", None)
+    if experts_format is None:
+        experts_format = loaded.experts_format if loaded is not None else "bf16"
     if experts_format not in EXPERTS_FORMATS:
         raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
     if dtype not in SAVE_DTYPES:
@@ -50,7 +56,9 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str = "bf1
     prefix = PREFIX if wrapper else ""
     sources = _Sources(model, dtype)
     items = [(prefix + e.name, e.shape, e.disk_dtype(dtype), sources.producer(e)) for e in layout(cfg, experts_format)]
-    config, generation = config_files(cfg, wrapper=bool(wrapper), experts_format=experts_format, dtype=dtype)
+    source_quant = loaded.quantization_config if loaded is not None else None
+    config, generation = config_files(cfg, wrapper=bool(wrapper), experts_format=experts_format, dtype=dtype,
+                                      quantization_config=source_quant)
 
     path = Path(path)
     if path.exists() and not path.is_dir():

@@ -1,66 +1,57 @@
 """`openk3 info [PATH] [--preset P | --config FILE] [--json]`: what a model is and costs.
 
 Counts are read off the model built on the meta device (nothing is allocated). With a checkpoint
-folder PATH it also reads the safetensors headers (not the data): tensors and bytes by on-disk dtype,
-and the shards the index names that are missing.
+folder PATH (or a training run folder: its latest checkpoint) it also reads the safetensors headers
+(not the data): tensors and bytes by on-disk dtype. A broken checkpoint (a missing shard or tensor, no
+weights, an index entry outside the folder, shapes or dtypes that do not fit the config) is an error:
+exit code 2 and one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 
 from openk3.commands.common import add_model_arguments, config_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", nargs="?", default=None, help="a checkpoint folder (or its config.json)")
+    p.add_argument("path", nargs="?", default=None,
+                   help="a checkpoint folder (or its config.json), or a training run folder")
     add_model_arguments(p)
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the FLOPs figures")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def file_summary(folder: str) -> dict:
-    """Tensors and bytes by dtype from the safetensors headers of a checkpoint folder."""
-    from safetensors import safe_open
+def file_summary(path: str) -> tuple[str, dict]:
+    """(checkpoint folder, tensors and bytes by on-disk dtype) of a checkpoint or run folder, from its
+    safetensors headers, after checking it as `openk3.load` does before reading data (config, index,
+    every shard present and readable, every tensor the config needs with its shape and dtype).
 
-    index_path = os.path.join(folder, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        try:
-            with open(index_path) as fh:
-                weight_map = json.load(fh)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index_path}: not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
-    else:
-        files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    Raises ValueError (one line) for a broken checkpoint; FileNotFoundError for a missing path.
+    """
+    from openk3.checkpoint.load import inventory
+
+    try:
+        inv, _ = inventory(path)
+    except ValueError as e:  # the loader lists problems one per line; the CLI prints one line
+        raise ValueError("; ".join(line.strip() for line in str(e).splitlines())) from None
     by_dtype: dict[str, dict[str, int]] = {}
-    missing, count = [], 0
-    for name in files:
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            missing.append(name)
-            continue
-        try:
-            with safe_open(path, framework="pt") as fh:
-                for key in fh.keys():
-                    sl = fh.get_slice(key)
-                    dtype, shape = sl.get_dtype(), sl.get_shape()
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    row = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0})
-                    row["tensors"] += 1
-                    row["elements"] += numel
-                    count += 1
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise ValueError(f"{path}: unreadable safetensors file ({e})") from None
+    for dtype, shape in inv.headers.values():
+        numel = 1
+        for d in shape:
+            numel *= d
+        row = by_dtype.setdefault(dtype, {"tensors": 0, "elements": 0})
+        row["tensors"] += 1
+        row["elements"] += numel
     itemsize = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "BOOL": 1}
     for dtype, row in by_dtype.items():
         row["bytes"] = row["elements"] * itemsize.get(dtype, 0)
-    return {"files": len(files), "tensors": count, "missing_shards": missing, "by_dtype": by_dtype,
-            "total_bytes": sum(r["bytes"] for r in by_dtype.values())}
+    # missing_shards stays in the JSON for readers of the old form: a missing shard is now an error
+    summary = {"files": len(set(inv.weight_map.values())), "tensors": len(inv.headers), "missing_shards": [],
+               "experts_format": inv.experts_format, "by_dtype": by_dtype,
+               "total_bytes": sum(r["bytes"] for r in by_dtype.values())}
+    return str(inv.folder), summary
 
 
 def main(args: argparse.Namespace) -> int:
@@ -76,9 +67,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("give either PATH or --preset/--config, not both")
         from openk3.checkpoint import read_config
 
-        cfg, name = read_config(args.path), args.path
-        folder = args.path if os.path.isdir(args.path) else os.path.dirname(os.path.abspath(args.path))
-        files = file_summary(folder)
+        folder, files = file_summary(args.path)
+        cfg, name = read_config(folder), folder
     else:
         cfg, name = config_from_args(args)
     model = K3ForCausalLM.build(cfg, device="meta", dtype=torch.bfloat16)
@@ -110,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
                               f"{files['total_bytes']:,} bytes"))
         for dtype, row in sorted(files["by_dtype"].items()):
             rows.append((f"  {dtype}", f"{row['tensors']:,} tensors, {row['bytes']:,} bytes"))
-        rows.append(("missing shards", ", ".join(files["missing_shards"]) or "none"))
+        rows.append(("routed experts on disk", files["experts_format"]))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

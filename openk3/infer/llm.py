@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from openk3.checkpoint import resolve_checkpoint
 from openk3.common import resolve_device, resolve_dtype
 from openk3.infer.engine import Engine, RequestOutput
 from openk3.infer.sample import SamplingParams
@@ -37,33 +38,6 @@ __all__ = ["LLM", "ChatResult", "resolve_checkpoint", "resolve_dtype"]
 
 Prompt = str | Sequence[int]
 log = logging.getLogger(__name__)  # `openk3 generate/chat` print the `openk3` logger's notes on stderr
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint folder `path` names: a checkpoint folder itself (it has config.json), its
-    config.json, or a training run folder (`openk3 train --out DIR`, or its `checkpoints/` folder), whose
-    latest complete checkpoint is used (`checkpoints/latest`, see `openk3.train.state.find_latest`).
-
-    Raises FileNotFoundError for a path that does not exist, ValueError naming the path otherwise.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: no such checkpoint or training run folder")
-    if p.is_file():
-        if p.name == "config.json":
-            return p.parent
-        raise ValueError(f"{p}: a file; give a checkpoint folder (with config.json) or a training run folder")
-    if (p / "config.json").is_file():
-        return p
-    from openk3.train.state import checkpoint_root, find_latest
-
-    run = p.parent if p.name == "checkpoints" and not checkpoint_root(p).is_dir() else p
-    ckpt = find_latest(run)
-    if ckpt is not None:
-        return ckpt
-    if checkpoint_root(run).is_dir():
-        raise ValueError(f"{p}: a training run folder without a complete checkpoint yet")
-    raise ValueError(f"{p}: not a checkpoint folder (no config.json) nor a training run folder (no checkpoints/)")
 
 
 def stored_dtype(folder: Path) -> torch.dtype | None:

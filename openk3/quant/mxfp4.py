@@ -11,6 +11,8 @@ Layout per logical matrix W [out, in] (any leading batch dims allowed, e.g. [E, 
 Dequantisation `W = E2M1(code) * 2^(b - 127)` is exact in float64 for every byte, and in float32 /
 bfloat16 whenever the product is a normal number (bytes 2..252 for any code; the release uses
 112..122). `pack` quantises by the OCP rule; see its docstring for the zero-group and tie choices.
+`pack(unpack(p, s))` gives back the same values (and the same bytes when they are in `pack`'s
+canonical form), which is what lets `openk3.save` re-write experts loaded from MXFP4.
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
 
     Two table gathers (byte -> its two E2M1 values; scale byte -> 2^(b-127)) and one multiply, computed
     in `dtype` for bfloat16/float32/float64 (exact, see the module docstring) and in float32 for any
-    other floating dtype (then rounded to it). Raises ValueError on scale byte 255 (E8M0 NaN), on
-    non-uint8 inputs and on mismatched shapes.
+    other floating dtype (then rounded to it); in float64 when a scale byte is 0 (a subnormal scale
+    in float32), so that every product that is a normal number comes out exact. Raises ValueError on
+    scale byte 255 (E8M0 NaN), on non-uint8 inputs and on mismatched shapes.
     """
     n_in = _check_packed(packed, scale)
     if not dtype.is_floating_point:
@@ -88,9 +91,14 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     out_shape = (*packed.shape[:-1], n_in)
     if packed.device.type == "meta":
         return torch.empty(out_shape, dtype=dtype, device="meta")
-    if bool((scale == SCALE_NAN).any()):
+    lo, hi = (int(v) for v in torch.aminmax(scale)) if scale.numel() else (SCALE_BIAS, SCALE_BIAS)
+    if hi == SCALE_NAN:
         raise ValueError("MXFP4 scale byte 255 (E8M0 NaN) found; refusing to produce NaN weights")
     cdt = dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32
+    if lo == 0 and cdt != torch.float64:
+        # 2^-127 is subnormal in float32/bfloat16 (flushed to 0 where denormals are flushed), although
+        # its products with codes >= 2 are normal: such rows are computed in float64, then rounded
+        cdt = torch.float64
     vals = _lut("pairs", cdt, packed.device)[packed.int()]  # [..., in/2, 2]
     vals = vals.reshape(*packed.shape[:-1], n_in // GROUP, GROUP)
     s = _lut("scale", cdt, packed.device)[scale.int()]  # [..., in/32]
