@@ -1,7 +1,8 @@
 """Bridges to peer implementations, used as correctness oracles and speed baselines.
 
 `to_transformers(model)` rebuilds an openk3 `K3ForCausalLM` whose config is in Kimi-Linear form (see
-`openk3.config.as_kimi_linear`) as transformers' `KimiLinearForCausalLM` with the same weights, in fp32.
+`openk3.config.as_kimi_linear`) as transformers' `KimiLinearForCausalLM` with the same weights, in fp32 (or
+bf16 with the release's fp32 tensors kept fp32: `dtype=`).
 transformers is a dev/test extra, so it is imported lazily inside the functions.
 
 Parameter name mapping, openk3 (Moonshot checkpoint names) -> transformers 5.x, per layer prefix
@@ -25,6 +26,11 @@ Config mapping (`transformers_config`): `num_experts` -> `num_local_experts`, `n
 `moe_layer_freq`). Token ids outside the vocabulary (the release's bos/eos/pad ids in a small test vocabulary)
 become None. transformers builds the MLA latent norms with eps 1e-6; a different `mla_latent_norm_eps` is
 written into those modules after construction.
+
+In bf16 (`dtype=torch.bfloat16`) the peer rounds where openk3 does (tests/test_peer_bf16.py) except at one
+point, where openk3 follows the released model's code (spec §4.4 step 5): transformers computes KDA's
+beta = sigmoid(b_proj x) on the bf16 projection and so rounds beta to bf16; the release computes it in fp32.
+transformers' non-default "eager" experts also sum the weighted expert outputs in bf16 instead of fp32.
 """
 
 from __future__ import annotations
@@ -82,7 +88,9 @@ def transformers_config(cfg, *, attn_implementation: str = "eager"):
         kv_lora_rank=cfg.kv_lora_rank, q_lora_rank=cfg.q_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim, qk_nope_head_dim=cfg.qk_nope_head_dim, num_expert_group=cfg.num_expert_group,
         topk_group=cfg.topk_group, num_experts=cfg.num_experts, num_experts_per_token=cfg.num_experts_per_token,
-        moe_renormalize=cfg.moe_renormalize, hidden_act=cfg.hidden_act,
+        # transformers renormalises even a single expert's weight to 1; the release (and spec §4.6) only when
+        # top-k > 1, so at top-1 the peer is told not to
+        moe_renormalize=cfg.moe_renormalize and cfg.num_experts_per_token > 1, hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
         pad_token_id=None, bos_token_id=_token_id(cfg.extra.get("bos_token_id", _BOS), cfg.vocab_size),
         eos_token_id=_token_id(cfg.eos_token_id, cfg.vocab_size), tie_word_embeddings=False,
@@ -130,14 +138,25 @@ def to_transformers_state_dict(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_transformers(model, *, experts_implementation: str | None = None, attn_implementation: str = "eager"):
-    """A transformers `KimiLinearForCausalLM` (fp32, eval mode) with exactly the weights of `model`.
+# transformers names of the tensors the release stores in fp32 (openk3.model.model.FP32_NAMES): kept fp32 by
+# `to_transformers(dtype=torch.bfloat16)`, as a loader that respects the checkpoint's dtypes leaves them. Each
+# transformers module computes with them in fp32: the conv upcasts its input to the weight's dtype and casts the
+# SiLU output back, the forget gate and the gated o_norm call .float(), the router adds the bias to fp32 scores.
+FP32_TRANSFORMERS_NAMES = ("self_attn.conv1d.weight", "forget_gate.A_log", "forget_gate.dt_bias",
+                           "self_attn.o_norm.weight", "e_score_correction_bias")
+
+
+def to_transformers(model, *, experts_implementation: str | None = None, attn_implementation: str = "eager",
+                    dtype: torch.dtype = torch.float32):
+    """A transformers `KimiLinearForCausalLM` (eval mode) with exactly the weights of `model`.
 
     Args:
         model: an openk3 `K3ForCausalLM` whose config is in Kimi-Linear form.
         experts_implementation: passed to `set_experts_implementation` ("eager", "grouped_mm",
             "batched_mm"); None keeps transformers' default.
         attn_implementation: MLA attention kernel ("eager" is the fp32-softmax reference).
+        dtype: the peer's dtype; with bfloat16 the `FP32_TRANSFORMERS_NAMES` tensors stay fp32 with the
+            values of `model` (rounding them first would make the peer a different model).
 
     Raises:
         ValueError: naming the config field of a K3-only feature, or on a weight-name/shape mismatch.
@@ -147,7 +166,9 @@ def to_transformers(model, *, experts_implementation: str | None = None, attn_im
     hf_cfg = transformers_config(model.config, attn_implementation=attn_implementation)
     with torch.device("meta"):
         hf = KimiLinearForCausalLM(hf_cfg)
-    sd = to_transformers_state_dict(model)
+    island = torch.promote_types(dtype, torch.float32)  # fp32, or float64 for a float64 peer
+    sd = {k: v.to(island if k.endswith(FP32_TRANSFORMERS_NAMES) else dtype)
+          for k, v in to_transformers_state_dict(model).items()}
     expected = hf.state_dict()
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     wrong = [f"{k}: {tuple(sd[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
@@ -164,7 +185,7 @@ def to_transformers(model, *, experts_implementation: str | None = None, attn_im
     leftover = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
     if leftover:
         raise ValueError(f"tensors left uninitialised by the mapping: {leftover}")
-    hf.config.dtype = torch.float32
+    hf.config.dtype = dtype
     if experts_implementation is not None:
         hf.set_experts_implementation(experts_implementation)
     return hf.eval()

@@ -91,6 +91,16 @@ def test_logits_match(q_lora_rank, T):
     assert err < TOL, f"logits differ from transformers: relative error {err:.2e}"
 
 
+def test_top1_routing_matches():
+    """Top-1 routing keeps the raw sigmoid score as the weight (spec §4.6), as the release's code does; the
+    peer is told not to renormalise then (transformers would make the weight 1)."""
+    model, hf = build_pair(seed=5, num_experts_per_token=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        err = rel_rms_error(hf(ids).logits, model(ids))
+    assert err < TOL, f"top-1 logits differ from transformers: relative error {err:.2e}"
+
+
 def test_gradients_match():
     model, hf = build_pair(seed=3)
     ids = torch.randint(0, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(4))

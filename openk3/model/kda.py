@@ -27,7 +27,12 @@ class ShortConv(nn.Module):
 
     def forward(self, x_BTP: torch.Tensor, history_BWP: torch.Tensor | None,
                 seg_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (silu(conv(x)) in fp32 [B, T, P], the new history [B, W, P]).
+        """Returns (silu(conv(x)) [B, T, P] in x's dtype, the new history [B, W, P]).
+
+        The taps, sum and SiLU run in fp32 (the weights are fp32 in the release) and the result is
+        rounded once to x's dtype, as FLA's ShortConvolution (the reference's kernel) stores it: under
+        bf16 the delta rule reads bf16-rounded q, k, v (spec §4.8; checked against transformers in
+        tests/test_peer_bf16.py).
 
         `history_BWP` holds the W inputs before x (zeros at a sequence start). `seg_BT` (document
         index within a packed row) stops a tap from reading across a document boundary; only segment
@@ -47,18 +52,19 @@ class ShortConv(nn.Module):
                 prev_BT[:, s:] = seg_BT[:, :-s] if s < T else prev_BT[:, s:]
                 tap_BTP = tap_BTP * (prev_BT == seg_BT)[..., None]
             out_BTP = out_BTP + tap_BTP
-        return F.silu(out_BTP), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
+        return F.silu(out_BTP).to(x_BTP.dtype), full_BSP[:, -W:].to(x_BTP.dtype) if W else full_BSP[:, :0]
 
 
 def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_JP: torch.Tensor) -> torch.Tensor:
     """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t(), contiguous): silu(conv) [B, P]
-    in fp32; shifts `history_BWP` in place (no autograd). Taps stored [J, P] let a compiled step vectorise along
-    P; read through a transposed [P, J] view they were strided loads that inductor left scalar."""
+    computed in fp32 and rounded to x's dtype as `ShortConv` does; shifts `history_BWP` in place (no autograd).
+    Taps stored [J, P] let a compiled step vectorise along P; read through a transposed [P, J] view they were
+    strided loads that inductor left scalar."""
     full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
     out_BP = (full_BJP * upcast(w_JP)).sum(1)
     if history_BWP.shape[1]:
         history_BWP.copy_(full_BJP[:, 1:])
-    return F.silu(out_BP)
+    return F.silu(out_BP).to(x_BP.dtype)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -131,10 +137,13 @@ class KimiDeltaAttention(nn.Module):
         q_BTP, hq = self.q_conv1d(self.q_proj(x_BTD), hist[0], seg_BT)
         k_BTP, hk = self.k_conv1d(self.k_proj(x_BTD), hist[1], seg_BT)
         v_BTP, hv = self.v_conv1d(self.v_proj(x_BTD), hist[2], seg_BT)
-        q_BTHK = l2_normalize(q_BTP.view(B, T, H, K))
-        k_BTHK = l2_normalize(k_BTP.view(B, T, H, K))
-        v_BTHK = v_BTP.view(B, T, H, K)
+        # From here to the output gate everything is fp32 (spec §4.8), on the rounded conv outputs.
+        q_BTHK = l2_normalize(upcast(q_BTP).view(B, T, H, K))
+        k_BTHK = l2_normalize(upcast(k_BTP).view(B, T, H, K))
+        v_BTHK = upcast(v_BTP).view(B, T, H, K)
         g_BTHK = self.decay(x_BTD)
+        # beta in fp32 as the release's modeling code has it (b_proj(x).float().sigmoid()); transformers and
+        # FLA's generic KDA layer take the sigmoid in bf16, i.e. round beta (tests/test_peer_bf16.py).
         beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
         doc_start_BT = None
         if seg_BT is not None:
@@ -143,7 +152,9 @@ class KimiDeltaAttention(nn.Module):
         s0 = state.recurrent if state is not None else None
         with fp32_island(x_BTD):  # the delta rule and its state are fp32 even under bf16 autocast
             o_BTHK, s1 = self._delta_rule(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, s0, doc_start_BT, T)
-        # Per-head RMSNorm, then the sigmoid output gate, all fp32 (FLA FusedRMSNormGated).
+        # The kernel's output is stored in v's dtype (FLA's chunk_kda writes o like v: bf16 in a bf16 model or
+        # under autocast), then the per-head RMSNorm and the sigmoid output gate run in fp32 (FusedRMSNormGated).
+        o_BTHK = upcast(o_BTHK.to(v_BTP.dtype))
         o_BTHK = o_BTHK * torch.rsqrt(o_BTHK.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
         if hasattr(self, "g_proj"):
             gate = self.g_proj(x_BTD)
@@ -179,7 +190,8 @@ class KimiDeltaAttention(nn.Module):
         w_conv = fused_weight(self, "conv", taps, dim=1)
         if w_conv is None:
             w_conv = torch.cat(taps, 1)
-        qkv_B3P = conv_step_(qkv_B3P, state.conv, w_conv)
+        act_dtype = qkv_B3P.dtype  # conv and delta-rule outputs are rounded to it, as in `forward`
+        qkv_B3P = upcast(conv_step_(qkv_B3P, state.conv, w_conv))
         qk_B2HK = l2_normalize(qkv_B3P[:, :2 * P].reshape(B, 2 * H, K))
         q_BHK, k_BHK = qk_B2HK[:, :H], qk_B2HK[:, H:]
         v_BHV = qkv_B3P[:, 2 * P:].reshape(B, H, K)
@@ -188,6 +200,7 @@ class KimiDeltaAttention(nn.Module):
         gate = ys[5] if full_rank else self.g_b_proj(ys[5])
         with fp32_island(x_B1D):
             o_BHV = kda_ops.kda_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5, state=state.recurrent)
+        o_BHV = upcast(o_BHV.to(act_dtype))
         o_BHV = o_BHV * torch.rsqrt(o_BHV.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
         o_BHV = o_BHV * torch.sigmoid(upcast(gate).view(B, H, K))
         return self.o_proj(o_BHV.reshape(B, 1, H * K).to(x_B1D.dtype))

@@ -77,6 +77,11 @@ def mla_attention_absorbed(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR:
 
     Same arguments and result as `mla_attention_naive`. Cost per key is O(H * (C + Dr)) instead of
     expanding every cached key to H * (Dn + Dr + Dv) values, which is why decode uses it.
+
+    In bf16 it rounds at other points than the naive form (the reference's): q_nope W_UK, the latent and
+    the "rope" score parts, their sum and o_lat are each a bf16 result, where the naive form rounds the
+    expanded keys and one 192-wide score. Mathematically equal; the MLA layer's output stays within 2 bf16
+    ulps (of its largest element) of transformers' eager MLA (tests/test_peer_bf16.py).
     """
     B, T, H, D = q_BTHD.shape
     Dr = kpe_BSR.shape[-1]
