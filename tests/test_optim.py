@@ -284,6 +284,7 @@ def test_qk_clip_caps_clipped_heads_only(cfg):
 
 # -- training smoke ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # ~11 s: 60 optimizer steps
 def test_training_smoke_loss_drops(cfg):
     model = _model(cfg)
     opt = build_optimizer(model, OptimConfig(lr=3e-3))
