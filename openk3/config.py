@@ -40,7 +40,7 @@ from openk3.config_rules import (
     typo_hint,
     warn_unknown,
 )
-from openk3.fsutil import read_json
+from openk3.fsutil import read_json, write_atomic
 
 # Keys that appear in released config.json files but do not change the text model's math. They are
 # accepted, kept in `K3Config.extra` and written back on save, never silently dropped.
@@ -302,11 +302,7 @@ class K3Config:
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write a bare `kimi_linear` config.json atomically (temp file + rename)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2, sort_keys=False)
-            fh.write("\n")
-        os.replace(tmp, path)
+        write_atomic(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "config") -> "K3Config":

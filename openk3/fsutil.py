@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -18,6 +19,26 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder (`<name>.tmp.<pid>.<hex>`, so
+    concurrent writers never share one), fsync and os.replace: a reader, or a kill at any point, sees the
+    old file or the new one, never half of one; a failed write removes its temporary. The one atomic
+    small-file writer of the project (configs, tokenizer files, metrics, plots, the `latest` pointer)."""
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "xb") as fh:  # a plain open: the file gets the usual umask permissions
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def parse_json(text: str | bytes, source: str):

@@ -252,3 +252,22 @@ def test_cuda_without_cuda_is_a_value_error_before_anything_is_written(tmp_path)
     with pytest.raises(ValueError, match="CUDA is not available"):
         train(tiny(device="cuda"), tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_clean_leftovers_knows_every_temp_name_the_writers_use(tmp_path):
+    """The temporaries of a kill at any point: save folders, openk3.save's sibling, write_trainer_state's
+    file and fsutil.write_atomic's `latest.tmp.<pid>.<hex>`; finished checkpoints and `latest` stay."""
+    from openk3.train.state import checkpoint_root, clean_leftovers
+
+    root = checkpoint_root(tmp_path)
+    root.mkdir(parents=True)
+    junk = [".tmp-step_000004-123", ".old-step_000002-123", "..tmp-step_000004-123.tmp-9f3a",
+            "latest.tmp.4242.0badc0de"]
+    keep = ["step_000002", "latest"]
+    for name in junk[:3] + keep[:1]:
+        (root / name).mkdir()
+    (root / junk[3]).write_text("step_000004\n")
+    (root / "latest").write_text("step_000002\n")
+    (root / "step_000002" / "trainer_state.pt.tmp").write_bytes(b"")  # inside a folder: not ours to touch
+    assert sorted(clean_leftovers(tmp_path)) == sorted(junk)
+    assert sorted(p.name for p in root.iterdir()) == sorted(keep)

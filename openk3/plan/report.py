@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from typing import TYPE_CHECKING
 
+from openk3.fsutil import write_atomic
 from openk3.plan import serve
 
 if TYPE_CHECKING:
@@ -251,13 +251,4 @@ def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
     and moved into place with os.replace, so `path` is never left half-written."""
     buf = io.BytesIO()
     memory_figure(r, cfg, hw, spec).savefig(buf, format="png")
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(buf.getvalue())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    write_atomic(path, buf.getvalue())

@@ -35,9 +35,9 @@ import functools
 import json
 import os
 import re
-import uuid
 from collections.abc import Iterable, Iterator, Mapping
 
+from openk3.fsutil import write_atomic
 from openk3.tokenizer.special import k3_special_flags, k3_special_tokens, parse_tokenizer_config, tokenizer_config
 
 __all__ = [
@@ -167,23 +167,6 @@ def bpe_encode_piece(piece: bytes, ranks: Mapping[bytes, int]) -> list[int]:
 # ----------------------------------------------------------------------------------------------- files
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    """Write via a temp file in the same folder + rename (readers never see a half-written file)."""
-    tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    try:
-        with open(tmp, "xb") as fh:  # a plain open: the file gets the usual umask permissions
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
     """Read a `tiktoken.model` (`base64(token_bytes) rank` per line; blank lines ignored).
 
@@ -243,7 +226,7 @@ def write_tiktoken_ranks(path: str, ranks: Mapping[bytes, int]) -> None:
     """Write `ranks` as a `tiktoken.model` in rank order, atomically (temp file + rename)."""
     lines = [base64.b64encode(tok) + b" " + str(rank).encode() + b"\n"
              for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
-    _atomic_write(path, b"".join(lines))
+    write_atomic(path, b"".join(lines))
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -369,7 +352,7 @@ class Tokenizer:
         write_tiktoken_ranks(os.path.join(path, "tiktoken.model"), self.ranks)
         cfg = tokenizer_config(self.special_ids, self.special_flags, self.config)
         text = json.dumps(cfg, indent=2, ensure_ascii=False) + "\n"
-        _atomic_write(os.path.join(path, "tokenizer_config.json"), text.encode("utf-8"))
+        write_atomic(os.path.join(path, "tokenizer_config.json"), text.encode("utf-8"))
 
     # --------------------------------------------------------------------------------------- properties
 

@@ -31,7 +31,7 @@ import torch
 
 from openk3.config import K3Config, LinearAttnConfig, preset
 from openk3.data import DataConfig
-from openk3.fsutil import read_json
+from openk3.fsutil import read_json, write_atomic
 from openk3.train.optim import OptimConfig
 
 DTYPES = ("fp32", "bf16")
@@ -167,13 +167,7 @@ class TrainConfig:
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write atomically (temp file + rename)."""
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> TrainConfig:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from openk3.fsutil import write_atomic
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -87,23 +89,8 @@ def truncate_after(path: str, step: int) -> int:
         return 0
     recs = read_metrics(path)
     keep = [r for r in recs if int(r.get("step", 0)) <= step]
-    _write_atomic(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in keep).encode("utf-8"))
+    write_atomic(path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in keep).encode("utf-8"))
     return len(recs) - len(keep)
-
-
-def _write_atomic(path: str, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file and os.replace: a reader (or a kill) never sees a
-    partial file, and a failed write leaves no temporary behind."""
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def losses_by_step(records: Iterable[dict], kind: str = "train", key: str = "loss") -> dict[int, float]:
@@ -176,7 +163,7 @@ def save_png(fig: Figure, path: str) -> None:
     """Render `fig` to PNG in memory, then write it atomically (a failed render leaves `path` as it was)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    _write_atomic(path, buf.getvalue())
+    write_atomic(path, buf.getvalue())
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: str, *, width: int = 640,

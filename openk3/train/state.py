@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openk3.fsutil import fsync_dir
+from openk3.fsutil import fsync_dir, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # What an interrupted save leaves in checkpoints/: our `.tmp-step_*-<pid>` / `.old-step_*-<pid>` folders,
 # `openk3.save`'s own temp sibling of the former (`..tmp-step_*-<pid>.tmp-<hex>`, `files.temp_sibling`),
-# and `latest.tmp` / `trainer_state.pt.tmp` files of `_write_atomic`.
-_LEFTOVER = re.compile(r"^\.+(tmp|old)-|^\..*\.(tmp|old)-[0-9a-f]+$|\.tmp$")
+# `trainer_state.pt.tmp` of `write_trainer_state` and `latest.tmp.<pid>.<hex>` of `fsutil.write_atomic`.
+_LEFTOVER = re.compile(r"^\.+(tmp|old)-|^\..*\.(tmp|old)-[0-9a-f]+$|\.tmp(\.\d+\.[0-9a-f]+)?$")
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -46,15 +46,6 @@ def checkpoint_root(out_dir: str | os.PathLike) -> Path:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---- RNG --------------------------------------------------------------------------------------------
@@ -129,7 +120,7 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomic(root / LATEST, (final.name + "\n").encode())
+    write_atomic(root / LATEST, (final.name + "\n").encode())
     fsync_dir(root)
     if keep is not None:
         for _, path in list_checkpoints(out_dir)[:-keep]:
