@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 COMMANDS = {
@@ -66,16 +67,26 @@ class _StderrNotes(logging.Handler):
         print(f"[openk3] {record.getMessage()}", file=sys.stderr, flush=True)
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one `[openk3] warning: ...` line (the message names the file or field it is about), not
+    Python's default of the warning's source path plus a line of openk3's code."""
+    print(f"[openk3] warning: {message}", file=sys.stderr if file is None else file, flush=True)
+
+
 @contextlib.contextmanager
-def notes_on_stderr():
-    """The library's notes go to stderr while a command runs; the `openk3` logger is restored after (main()
-    may run many times in one process: tests, scripts)."""
+def notes_on_stderr(debug: bool = False):
+    """The library's notes and warnings go to stderr as one-line notes while a command runs; the `openk3`
+    logger and the warnings machinery are restored after (main() may run many times in one process: tests,
+    scripts). `debug` (OPENK3_DEBUG) keeps Python's full warning format."""
     log, handler = logging.getLogger("openk3"), _StderrNotes()
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     try:
-        yield
+        with warnings.catch_warnings():  # restores showwarning on exit
+            if not debug:
+                warnings.showwarning = _warning_line
+            yield
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
@@ -100,11 +111,12 @@ def describe(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module = importlib.import_module(f"openk3.commands.{args.command}")
+    debug = os.environ.get("OPENK3_DEBUG", "") not in ("", "0")
     try:
-        with notes_on_stderr():
+        with notes_on_stderr(debug):
             return module.main(args) or 0
     except (ValueError, OSError) as e:  # expected failures: one clear line, no traceback
-        if os.environ.get("OPENK3_DEBUG", "") not in ("", "0"):
+        if debug:
             raise
         print(f"openk3 {args.command}: error: {describe(e)}", file=sys.stderr)
         return 2

@@ -77,3 +77,67 @@ def test_convert_mxfp4_and_back_and_config_forms(saved, capsys):
 def test_convert_refuses_same_folder(saved, capsys):
     assert main(["convert", str(saved / "bf16"), str(saved / "bf16")]) == 2
     assert "differ" in capsys.readouterr().err
+
+
+def test_convert_carries_the_other_files_and_reads_a_run_folder(saved, tmp_path, capsys):
+    """Tokenizer files, templates and code come along (a converted checkpoint still generates); the weights,
+    configs and a training checkpoint's optimizer state are what convert rewrites or leaves out."""
+    import shutil
+
+    from openk3.tokenizer import Tokenizer
+
+    src = tmp_path / "src"
+    shutil.copytree(saved / "bf16", src)
+    Tokenizer({bytes([b]): b for b in range(256)}).save(str(src))  # 256 bytes + 256 specials = nano's 512
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "trainer_state.pt").write_bytes(b"optimizer state")
+    assert main(["convert", str(src), str(tmp_path / "mx"), "--experts", "mxfp4"]) == 0
+    names = {p.name for p in (tmp_path / "mx").iterdir()}
+    assert {"tiktoken.model", "tokenizer_config.json", "chat_template.jinja"} <= names
+    assert "trainer_state.pt" not in names
+    assert (tmp_path / "mx" / "tiktoken.model").read_bytes() == (src / "tiktoken.model").read_bytes()
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "mx"), "--prompt", "a", "--max-tokens", "3",
+                 "--temperature", "0"]) == 0
+    # a run folder converts its latest checkpoint
+    run = tmp_path / "run" / "checkpoints"
+    shutil.copytree(src, run / "step_000003")
+    (run / "latest").write_text("step_000003\n")
+    assert main(["convert", str(tmp_path / "run"), str(tmp_path / "from-run")]) == 0
+    assert (tmp_path / "from-run" / "tiktoken.model").is_file()
+
+
+def test_config_json_that_is_a_folder_is_named_by_info_and_generate(tmp_path, capsys):
+    (tmp_path / "ck" / "config.json").mkdir(parents=True)
+    for argv in (["info", str(tmp_path / "ck")], ["generate", "--model", str(tmp_path / "ck"), "--prompt", "a"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"{tmp_path / 'ck' / 'config.json'}: not a file; a checkpoint's config.json must be "
+                            f"a JSON file"), err
+
+
+def test_load_and_save_take_dtype_names(saved, tmp_path):
+    model = openk3.load(saved / "bf16", dtype="float32")
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert openk3.load(saved / "bf16", dtype="bf16").model.embed_tokens.weight.dtype == torch.bfloat16
+    assert openk3.load(saved / "bf16", dtype="auto").model.embed_tokens.weight.dtype == torch.bfloat16  # as stored
+    openk3.save(model, tmp_path / "f32", dtype="fp32")
+    assert openk3.load(tmp_path / "f32").model.embed_tokens.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        openk3.save(model, tmp_path / "x", dtype="fp8")
+    with pytest.raises(ValueError, match="not a plain file name"):
+        openk3.save(model, tmp_path / "x", extra_files={"../escape": str(tmp_path / "f32" / "config.json")})
+    assert not (tmp_path / "x").exists()
+
+
+def test_warnings_of_a_command_are_one_line(tmp_path, capsys):
+    """An unknown config field is a warning: one `[openk3] warning:` line naming the file, not Python's
+    source-path-plus-code format."""
+    path = tmp_path / "config.json"
+    text = openk3.config.preset("nano").to_dict()
+    text["some_new_field"] = 1
+    path.write_text(json.dumps(text))
+    assert main(["info", "--config", str(path)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("[openk3] warning: ") and "some_new_field" in err[0], err
+    assert str(path) in err[0] and "UserWarning" not in err[0]

@@ -26,6 +26,7 @@ from openk3.checkpoint.layout import (
     layout,
     meta_model,
 )
+from openk3.common import resolve_dtype
 from openk3.config import K3Config
 from openk3.quant.mxfp4 import E2M1_MAX, SCALE_BIAS, SCALE_NAN, unpack
 
@@ -67,6 +68,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise ValueError(f"{p}: a file; give a checkpoint folder (with config.json) or a training run folder")
     if (p / "config.json").is_file():
         return p
+    if (p / "config.json").exists():  # a folder (or other non-file) where config.json goes
+        raise ValueError(f"{p / 'config.json'}: not a file; a checkpoint's config.json must be a JSON file")
     # lazily: the run layout belongs to openk3.train, which a plain checkpoint load never needs
     from openk3.train.state import checkpoint_root, find_latest
 
@@ -120,14 +123,15 @@ def inventory(path, *, keep_handles: bool = False) -> tuple[Inventory, dict]:
     return Inventory(folder, cfg, fmt, prefix, wm, info, src, model, entries), handles
 
 
-def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu", *,
+def load(path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", *,
          keep_packed: bool = False):
     """Build the model of a checkpoint folder and fill it tensor by tensor from its safetensors files.
 
     Args:
         path: a checkpoint folder, its config.json, or a training run folder (its latest complete
             checkpoint; `resolve_checkpoint`).
-        dtype: None keeps the on-disk dtypes (trunk dtype = that of `model.embed_tokens.weight`; fp32
+        dtype: a torch dtype or a name ("bf16", "float32", ...; "auto" = None).
+            None keeps the on-disk dtypes (trunk dtype = that of `model.embed_tokens.weight`; fp32
             islands fp32; MXFP4 experts unpacked to the trunk dtype). A dtype casts like
             `K3ForCausalLM.cast` (islands stay fp32 unless float64).
         device: where the tensors go (each is moved as it is read; peak host memory ~ one model).
@@ -143,6 +147,7 @@ def load(path, dtype: torch.dtype | None = None, device: str | torch.device = "c
             the folder), a missing or corrupt shard, missing/unexpected tensors, wrong shapes or dtypes,
             a non-zero `A_log` padding, a weight that is NaN/inf in the file or overflows `dtype`.
     """
+    dtype = resolve_dtype(dtype)
     if dtype is not None and dtype not in LOAD_DTYPES:
         raise ValueError(f"dtype must be None or one of {LOAD_DTYPES}, got {dtype!r}")
     inv, handles = inventory(path, keep_handles=True)

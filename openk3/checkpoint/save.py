@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,14 @@ import torch
 
 from openk3.checkpoint import files
 from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_files, layout
+from openk3.common import resolve_dtype
 
 SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def save(model, path, *, wrapper: bool | None = None, experts_format: str | None = None,
-         dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 * 2**30) -> None:
+         dtype: torch.dtype | str = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
+         extra_files: dict[str, str | os.PathLike] | None = None) -> None:
     """Write `model` (a `K3ForCausalLM`, experts plain or `PackedExperts`) as a checkpoint folder.
 
     Args:
@@ -31,9 +34,11 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
             (`model.loaded_format`, set by `openk3.load`; MXFP4 with the source's
             `quantization_config` verbatim), "bf16" for a model built in memory.
         dtype: on-disk dtype of every tensor except the fp32 islands and MXFP4 bytes (float32 gives a
-            lossless copy of an fp32 model).
+            lossless copy of an fp32 model); a torch dtype or a name ("bf16", "float32", ...).
         max_shard_bytes: above this many tensor bytes, write `model-0000i-of-0000N.safetensors`
             shards plus `model.safetensors.index.json`.
+        extra_files: {file name: source path} copied into the folder inside the same atomic write
+            (tokenizer files, for instance); names are plain file names.
 
     Raises:
         ValueError: on a bad argument, a model whose tensors disagree with its config, or a `path`
@@ -44,8 +49,12 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
         experts_format = loaded.experts_format if loaded is not None else "bf16"
     if experts_format not in EXPERTS_FORMATS:
         raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
+    dtype = resolve_dtype(dtype) or torch.bfloat16
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
+    for name in extra_files or {}:
+        if not name or Path(name).name != name or name in (".", ".."):
+            raise ValueError(f"extra_files: {name!r} is not a plain file name")
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     cfg = getattr(model, "config", None)
@@ -71,6 +80,8 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
         files.write_json(tmp / "config.json", config)
         files.write_json(tmp / "generation_config.json", generation)
         files.write_weights(tmp, items, max_shard_bytes)
+        for name, src in (extra_files or {}).items():
+            shutil.copyfile(src, tmp / name)
         files.swap_in(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

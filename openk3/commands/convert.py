@@ -14,7 +14,8 @@ from openk3.commands.common import add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="checkpoint folder to read")
+    p.add_argument("src", help="checkpoint folder to read (or a training run folder: its latest checkpoint); "
+                               "its other files (tokenizer, templates, code) are copied along")
     p.add_argument("dst", help="folder to write (replaced atomically if it exists)")
     p.add_argument("--experts", choices=["bf16", "mxfp4"], default=None,
                    help="routed-expert format to write (default: as in SRC)")
@@ -26,11 +27,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB")
 
 
+# What `save` writes itself, and a training checkpoint's optimizer state (not part of a model checkpoint).
+REWRITTEN = {"config.json", "generation_config.json", "model.safetensors.index.json", "trainer_state.pt"}
+
+
+def carried_files(src: str) -> dict[str, str]:
+    """The files of SRC that a conversion carries over unchanged: tokenizer files, chat templates, remote
+    code, READMEs, ... (every plain file except the weights and what `save` rewrites)."""
+    from pathlib import Path
+
+    return {p.name: str(p) for p in sorted(Path(src).iterdir())
+            if p.is_file() and p.name not in REWRITTEN and p.suffix != ".safetensors"}
+
+
 def main(args: argparse.Namespace) -> int:
     import os
 
-    from openk3.checkpoint import load, read_config, save
+    from openk3.checkpoint import load, read_config, resolve_checkpoint, save
 
+    args.src = str(resolve_checkpoint(args.src))  # a run folder converts its latest checkpoint
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ValueError("SRC and DST must differ (the write is atomic, but reading needs SRC intact)")
     cfg = read_config(args.src)
@@ -42,7 +57,7 @@ def main(args: argparse.Namespace) -> int:
     model = load(args.src, keep_packed=packed and experts == "mxfp4")
     dtype = args.dtype or model.model.embed_tokens.weight.dtype  # auto: the trunk dtype of SRC
     save(model, args.dst, wrapper=wrapper, experts_format=experts, dtype=dtype,
-         max_shard_bytes=int(args.max_shard_gb * 2**30))
+         max_shard_bytes=int(args.max_shard_gb * 2**30), extra_files=carried_files(args.src))
     print(f"[convert] {args.src} -> {args.dst}: experts {experts}, "
           f"{'kimi_k3 wrapper' if wrapper else 'bare kimi_linear' if wrapper is False else 'config form as before'}, "
           f"{str(dtype).removeprefix('torch.')}")
