@@ -178,20 +178,97 @@ def test_free_fields_do_not_touch_the_maths():
     assert {k for k in RESUME_FREE if "." not in k} <= fields
 
 
-# ---- C12: free space -----------------------------------------------------------------------------------
+# ---- C12: free space, and writes that fail ------------------------------------------------------------
+
+def tiny_disk(monkeypatch, free: int) -> None:
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free))
+
+
+def needs(msg: str) -> tuple[int, dict[str, int]]:
+    """(total bytes needed, {what: bytes}) read back from a free-space refusal."""
+    total = int(re.search(r"need about ([\d,]+) bytes", msg).group(1).replace(",", ""))
+    parts = {what: int(n.replace(",", "")) for n, what in re.findall(r"([\d,]+) for (\d+ checkpoint|the token cache)",
+                                                                     msg)}
+    return total, parts
+
 
 def test_too_little_disk_space_is_refused_before_training(ref, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    real = shutil.disk_usage
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    tiny_disk(monkeypatch, 1000)
     with pytest.raises(ValueError, match="not enough free disk space") as e:
         train(tiny(tokenizer=str(ref / "tokenizer"), cache_dir=str(ref.parent / ".cache")), out, progress=False)
     msg = str(e.value)
     assert str(out) in msg and "1,000 bytes" in msg
-    needed = int(re.search(r"need about ([\d,]+) bytes", msg).group(1).replace(",", ""))
+    needed, parts = needs(msg)
+    assert "2 checkpoint(s) of" in msg and list(parts) == ["2 checkpoint"]  # saves at steps 2 and 4; cache built
     on_disk = sum(f.stat().st_size for f in ckpt(ref, 4).iterdir())  # one real checkpoint of this model
     assert 0.8 < needed / 2 / on_disk < 1.25
     assert not (out / "checkpoints").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_free_space_is_checked_before_the_tokenizer_and_the_cache_and_counts_the_cache(tmp_path, monkeypatch):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    tiny_disk(monkeypatch, 1000)
+    with pytest.raises(ValueError, match="not enough free disk space") as e:
+        train(tiny(cache_dir=str(cache)), out, progress=False)
+    needed, parts = needs(str(e.value))
+    # data.max_bytes=200000 of text, at most one 2-byte id per byte
+    assert parts["the token cache"] == 2 * 200_000 and needed == sum(parts.values())
+    assert str(cache) in str(e.value)
+    assert not (out / "tokenizer").exists() and not (out / ".tokenizer.tmp").exists() and not cache.exists()
+
+
+def test_checkpoints_counted_are_the_ones_the_run_writes():
+    from openk3.train.trainer import planned_saves
+
+    assert planned_saves(tiny(max_steps=10, save_every=3), 0) == 4  # 3, 6, 9 and the end
+    assert planned_saves(tiny(max_steps=9, save_every=3), 3) == 2  # 6, 9
+    assert planned_saves(tiny(max_steps=9, save_every=0), 0) == 1
+    assert planned_saves(tiny(max_steps=4), 4) == 0  # a finished run writes nothing
+
+
+def test_keep_checkpoints_bounds_the_space_needed(ref, tmp_path, monkeypatch):
+    tiny_disk(monkeypatch, 1000)
+    with pytest.raises(ValueError) as e:
+        train(tiny(max_steps=20, keep_checkpoints=1, tokenizer=str(ref / "tokenizer"),
+                   cache_dir=str(ref.parent / ".cache")), tmp_path / "run", progress=False)
+    assert "2 checkpoint(s) of" in str(e.value)  # not 10: the newest is written before the older one goes
+
+
+def test_a_full_disk_while_caching_names_the_cache(ref, tmp_path, monkeypatch, capsys):
+    import errno
+
+    from openk3.__main__ import main
+    from openk3.data import shards
+
+    def full(self):
+        raise OSError(errno.ENOSPC, "No space left on device")  # what a write to a full disk raises: no path
+
+    monkeypatch.setattr(shards._SplitWriter, "flush", full)
+    cache = tmp_path / "cache"
+    rc = main(["train", "--out", str(tmp_path / "run"), "--tokenizer", str(ref / "tokenizer"), "--no-progress",
+               f"cache_dir={cache}", *BASE])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No space left on device" in err and str(cache) in err
+    assert [p.name for p in cache.iterdir() if ".tmp-" in p.name] == []  # the partial build is removed
+
+
+def test_a_full_disk_while_saving_names_the_checkpoint(ref, tmp_path, monkeypatch):
+    import errno
+
+    from openk3.checkpoint import files
+
+    def full(folder, items, max_shard_bytes):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "write_weights", full)
+    out = tmp_path / "run"
+    with pytest.raises(OSError) as e:
+        train(tiny(tokenizer=str(ref / "tokenizer"), cache_dir=str(ref.parent / ".cache")), out, progress=False)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(ckpt(out, 2))
+    assert "checkpoint" in e.value.strerror
+    assert [p.name for p in (out / "checkpoints").iterdir()] == []  # the temp folder went with it
 
 
 # ---- D14: the command line -----------------------------------------------------------------------------
@@ -232,6 +309,68 @@ def test_a_runs_own_train_config_resumes_it(ref, tmp_path):
     assert cfg.model.eos_token_id < cfg.model.vocab_size == 512
     summary = train(cfg, out, progress=False)
     assert summary["resumed_from"] == 4 and summary["steps"] == 4
+
+
+# ---- resuming from the command line: the run's own config is the base --------------------------------
+
+def cli_copy(ref: Path, name: str) -> Path:
+    """A copy of the reference run beside it (so the default cache, <out>/../.cache, is the reference's)."""
+    dst = ref.parent / name
+    shutil.copytree(ref, dst)
+    return dst
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    from openk3.__main__ import main
+
+    capsys.readouterr()
+    rc = main(["train", *argv, "--no-progress"])
+    return rc, capsys.readouterr().err
+
+
+def refused_lines(err: str) -> list[str]:
+    block = err.split("(checkpoint -> now):\n", 1)[1]
+    return [line.strip() for line in block.splitlines() if line.startswith("  ")]
+
+
+def test_out_alone_resumes_a_run_made_with_non_default_settings(ref, capsys):
+    """ref ran with batch_size=2, seq_len=32, data.max_bytes=200000, ... (not the defaults): none of them is
+    typed again here."""
+    out = cli_copy(ref, "cli-out-alone")
+    assert run_cli(["--out", str(out)], capsys)[0] == 0
+    rc, err = run_cli(["--out", str(out), "--max-steps", "5"], capsys)
+    assert rc == 0, err
+    state = train_state.load_trainer_state(ckpt(out, 5))
+    assert state["step"] == 5 and state["config"]["batch_size"] == 2 and state["config"]["seq_len"] == 32
+    assert state["config"]["data"]["max_bytes"] == 200000
+
+
+def test_main_sh_flags_resume_a_run_they_made(ref, capsys):
+    """scripts/main.sh runs `openk3 train --preset nano --out runs/nano --max-steps 240 "$@"`."""
+    out = cli_copy(ref, "cli-main-sh")
+    rc, err = run_cli(["--preset", "nano", "--out", str(out), "--max-steps", "4"], capsys)
+    assert rc == 0, err
+
+
+def test_resume_refuses_exactly_the_changes_given_and_says_how_to_proceed(ref, capsys):
+    out = cli_copy(ref, "cli-refused")
+    before = (out / "train_config.json").read_text()
+    rc, err = run_cli(["--out", str(out), "batch_size=4"], capsys)
+    assert rc == 2 and refused_lines(err) == ["batch_size: 2 -> 4"]
+    assert "--allow-config-change" in err and "drop those options" in err
+    assert (out / "train_config.json").read_text() == before
+
+
+def test_the_base_is_the_runs_config_only_when_resuming_it(ref, tmp_path):
+    out, _ = copy_run(ref, tmp_path / "run")
+    _, cfg = parse(["--out", str(out)])
+    assert cfg == TrainConfig.from_json(out / "train_config.json")
+    _, fresh = parse(["--out", str(out), "--no-resume"])
+    assert fresh.batch_size == TrainConfig().batch_size
+    (tmp_path / "empty").mkdir()
+    shutil.copy(out / "train_config.json", tmp_path / "empty")  # a config but no checkpoint: nothing to resume
+    _, fresh = parse(["--out", str(tmp_path / "empty")])
+    assert fresh.batch_size == TrainConfig().batch_size
 
 
 @pytest.mark.parametrize("spelling, canonical", [("bf16", "bf16"), ("bfloat16", "bf16"), ("BF16", "bf16"),

@@ -3,18 +3,21 @@
 Pretrains a model from scratch on the built-in corpus (default) or text files, with Per-Head Muon +
 AdamW, warmup + cosine, Quantile Balancing; logs metrics.jsonl and loss.png, saves release-format
 checkpoints, and resumes automatically from the latest one in DIR. The config is built in layers:
-`--config FILE` (a train_config.json, e.g. a previous run's, or any JSON object with the same
-sections; default: the `TrainConfig` defaults), then `--preset` (replaces the model section), then the
-flags, then `key=value` overrides, which reach every field of the run config
-(`openk3.train.config.TrainConfig`): loop fields (`batch_size=4`), and the sections `model.*`,
-`optim.*`, `data.*` (`optim.lr=1e-3`, `model.hidden_size=64`, `data.max_bytes=300000`). Overrides may
-sit anywhere among the flags. The resolved config is printed and written to DIR/train_config.json.
+a base -- `--config FILE` (a train_config.json, e.g. a previous run's, or any JSON object with the
+same sections); else, when DIR holds a run to resume, DIR/train_config.json; else the `TrainConfig`
+defaults -- then `--preset` (replaces the model section), then the flags, then `key=value`
+overrides, which reach every field of the run config (`openk3.train.config.TrainConfig`): loop fields
+(`batch_size=4`), and the sections `model.*`, `optim.*`, `data.*` (`optim.lr=1e-3`,
+`model.hidden_size=64`, `data.max_bytes=300000`). Overrides may sit anywhere among the flags. So
+`openk3 train --out RUN` resumes RUN as it was, and a resume refuses only the maths changes given
+here. The resolved config is printed and written to DIR/train_config.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 from openk3.config import PRESETS
 
@@ -27,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "key=value overrides apply on top")
     p.add_argument("--preset", default=None,
                    help=f"model preset: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form); default nano, "
-                        "or the --config file's model")
+                        "or the --config file's / the resumed run's model")
     p.add_argument("--out", required=True, help="run folder (created; resumed from if it holds checkpoints)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's 1000)")
     p.add_argument("--data", default=None,
@@ -74,25 +77,40 @@ def _parse_intermixed(p: argparse.ArgumentParser) -> None:
     p.parse_known_args = parse_known_args
 
 
+def run_config(args: argparse.Namespace) -> Path | None:
+    """`OUT/train_config.json` when this command resumes the run in --out (no --config; OUT holds a
+    checkpoint and its config), else None."""
+    from openk3.train.state import find_latest
+
+    if args.config is not None or not args.resume:
+        return None
+    path = Path(args.out) / "train_config.json"
+    return path if path.is_file() and find_latest(args.out) is not None else None
+
+
 def build_config(args: argparse.Namespace):
-    """The TrainConfig the arguments describe: --config file, then --preset, flags, key=value overrides."""
+    """The TrainConfig the arguments describe: a base (--config FILE; else, when --out holds a run to
+    resume, that run's train_config.json; else the defaults), then --preset, the flags and the key=value
+    overrides. Only what the command line gives is layered on the base, so `openk3 train --out RUN`
+    resumes RUN as it was, and a resume compares only what the user changed."""
     import dataclasses
 
     from openk3.config import preset
     from openk3.train.config import TrainConfig, apply_overrides
 
-    if args.config is not None:
-        cfg = TrainConfig.from_json(args.config)
+    base = args.config if args.config is not None else run_config(args)
+    if base is not None:
+        cfg = TrainConfig.from_json(base)
     else:
         cfg = TrainConfig(model=preset(args.preset or "nano"), preset=args.preset or "nano")
     changes = {}
     if args.preset is not None:
         changes["model"], changes["preset"] = preset(args.preset), args.preset
-    name = (args.preset or ("nano" if args.config is None else "")).removesuffix("-kl")
-    if args.config is None and name in SMALL_MODEL_LR:
+    name = (args.preset or ("nano" if base is None else "")).removesuffix("-kl")
+    if base is None and name in SMALL_MODEL_LR:
         # Muon's default lr (2e-4) is a large-model value; these widths learn ~2x faster per step at 3e-3
-        # (nano, 40 steps: 4.1 vs 8.4 bits/byte). `optim.lr=...` still overrides; a --config file's lr
-        # is the file's choice and is kept.
+        # (nano, 40 steps: 4.1 vs 8.4 bits/byte). `optim.lr=...` still overrides; a --config file's or
+        # a resumed run's lr is that config's choice and is kept.
         changes["optim"] = dataclasses.replace(cfg.optim, lr=SMALL_MODEL_LR[name])
     if args.max_steps is not None:
         changes["max_steps"] = args.max_steps
@@ -115,6 +133,9 @@ def main(args: argparse.Namespace) -> int:
     from openk3.train.trainer import train
 
     cfg = build_config(args)
+    if (base := run_config(args)) is not None:
+        print(f"[train] resuming {args.out}: its {base.name} is the base config; only the options given here "
+              "change it", flush=True)
     resolve_device(cfg.device)  # refuse a missing device before printing the config (train checks it too)
     print("[train] config: " + json.dumps(cfg.to_dict(), indent=2), flush=True)
     summary = train(cfg, args.out, resume=args.resume, progress=args.progress,

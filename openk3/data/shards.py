@@ -16,7 +16,8 @@ file, writes `meta.json` last and renames the folder into place, so `cache_dir/<
 absent or complete. Opening checks `meta.json` (format, key), every file's size, the offsets (0 ..
 num_tokens, each document at least one id + EOS) and that every document ends in EOS (`verify=True`
 also re-hashes every file against the sha256 in `meta.json`); anything wrong -> the folder is
-removed and rebuilt. Temporary folders of dead builders are removed. Builders of the same key on
+removed and rebuilt. Temporary folders of dead builders are removed. An OSError while building (a full
+disk) names the cache folder. Builders of the same key on
 one machine take turns via a lock file (`fcntl`), so the second just maps what the first wrote.
 
 Validation split: a document goes to `val` when the first 8 bytes of sha1(its UTF-8 text), read as
@@ -410,6 +411,12 @@ def build_dataset(cfg: DataConfig, tokenizer, cache_dir: str, *, progress: bool 
             fsync_dir(tmp)
             os.rename(tmp, final)
             fsync_dir(cache_dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.filename is not None:
+                raise
+            # A write to a full disk says only "No space left on device": name the cache being written.
+            raise OSError(e.errno, f"{e.strerror or e} (writing the token cache)", final) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -117,16 +117,30 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
         else:
             os.replace(tmp, final)
         fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise naming(e, final, "writing a checkpoint") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_atomic(root / LATEST, (final.name + "\n").encode())
-    fsync_dir(root)
+    try:
+        write_atomic(root / LATEST, (final.name + "\n").encode())
+        fsync_dir(root)
+    except OSError as e:
+        raise naming(e, root / LATEST, "pointing latest at the new checkpoint") from e
     if keep is not None:
         for _, path in list_checkpoints(out_dir)[:-keep]:
             if path != final:
                 shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def naming(e: OSError, path: str | os.PathLike, doing: str) -> OSError:
+    """`e` when it already names a file; else the same error naming `path` and what was being done (a
+    write to a full disk says only "No space left on device", which leaves the user to guess where)."""
+    if e.filename is not None:
+        return e
+    return OSError(e.errno, f"{e.strerror or e} ({doing})", str(path))
 
 
 # ---- find and load ----------------------------------------------------------------------------------

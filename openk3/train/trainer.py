@@ -22,7 +22,9 @@ reproduces the uninterrupted run's losses bit for bit. metrics.jsonl is cut back
 step first, so it always describes one run. A checkpoint that does not load (truncated file) is skipped
 for the next newest with a warning; a config that differs from the checkpoint's in a field that changes
 the maths is refused unless `allow_config_change` (`openk3.train.config.RESUME_FREE`: what may change).
-Before training, the disk must have room for two checkpoints.
+Before the tokenizer is trained and the data cached, the disk must have room for the checkpoints the
+run will write (`keep_checkpoints` bounds them) and the token cache, estimated from the configs alone
+(`check_free_space`). A write that fails (a full disk) names the folder or file it was writing.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from openk3.train.state import (
     find_latest,
     load_latest,
     load_weights_into,
+    naming,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -217,24 +220,39 @@ def _say(msg: str) -> None:
     print(f"[train] {msg}", flush=True)
 
 
-def get_tokenizer(cfg: TrainConfig, out_dir: Path):
-    """`cfg.tokenizer` if given, else `<out>/tokenizer` (trained on the run's data the first time,
-    with `cfg.model.vocab_size` ids). Returns (tokenizer, folder)."""
-    from openk3.tokenizer import Tokenizer, train_bpe
+def find_tokenizer(cfg: TrainConfig, out_dir: Path):
+    """(tokenizer, folder) of `cfg.tokenizer` if given, else of `<out>/tokenizer` when a previous start
+    trained it; None when one has to be trained (`train_tokenizer`)."""
+    from openk3.tokenizer import Tokenizer
 
     if cfg.tokenizer is not None:
         return Tokenizer.from_dir(cfg.tokenizer), Path(cfg.tokenizer)
     folder = out_dir / "tokenizer"
     if (folder / "tiktoken.model").is_file():
         return Tokenizer.from_dir(str(folder)), folder
+    return None
+
+
+def train_tokenizer(cfg: TrainConfig, out_dir: Path):
+    """Train `<out>/tokenizer` on the run's data with `cfg.model.vocab_size` ids. Returns (tokenizer, folder)."""
     from openk3.data.sources import iter_texts
+    from openk3.tokenizer import train_bpe
 
     _say(f"training a tokenizer with vocab {cfg.model.vocab_size} on data {cfg.data.source!r}")
+    folder = out_dir / "tokenizer"
     tmp = out_dir / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tok = train_bpe(iter_texts(cfg.data), cfg.model.vocab_size, str(tmp))
-    os.replace(tmp, folder)
+    try:
+        tok = train_bpe(iter_texts(cfg.data), cfg.model.vocab_size, str(tmp))
+        os.replace(tmp, folder)
+    except OSError as e:
+        raise naming(e, folder, "writing the run's tokenizer") from e
     return tok, folder
+
+
+def get_tokenizer(cfg: TrainConfig, out_dir: Path):
+    """`find_tokenizer`, else `train_tokenizer`. Returns (tokenizer, folder)."""
+    return find_tokenizer(cfg, out_dir) or train_tokenizer(cfg, out_dir)
 
 
 def _warn(msg: str) -> None:
@@ -253,25 +271,98 @@ def with_tokenizer_ids(model_cfg, tok):
     return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
 
 
-def checkpoint_bytes(optimizers: OptimizerSet) -> int:
-    """About one checkpoint on disk: fp32 weights plus the optimizer's fp32 state per parameter
-    (Muon: one momentum buffer; AdamW: two moments). Loader, RNG and metrics state are negligible."""
-    total = 0
-    if optimizers.muon is not None:
-        total += sum(p.numel() for g in optimizers.muon.param_groups for p in g["params"]) * 4 * (1 + 1)
-    if optimizers.adamw is not None:
-        total += sum(p.numel() for g in optimizers.adamw.param_groups for p in g["params"]) * 4 * (1 + 2)
-    return total
+def checkpoint_bytes(model_cfg) -> int:
+    """About one checkpoint on disk, from the model config alone (no model is built): fp32 weights plus
+    the optimizer's fp32 state per parameter (Muon: one momentum buffer; AdamW: two moments), split as
+    `openk3.train.optim` groups them (`openk3.plan.train.optimizer_split`; `optim.muon_router` moves the
+    small router onto Muon, so this is then a slight overestimate). Tokenizer files, loader, RNG and
+    metrics state are negligible beside it."""
+    from openk3.plan.counts import params
+    from openk3.plan.train import optimizer_split
+
+    split = optimizer_split(model_cfg)
+    return 4 * params(model_cfg).total + 4 * split["muon"] + 8 * split["adamw"]
 
 
-def check_free_space(folder: Path, needed: int) -> None:
-    """ValueError naming `folder`, the bytes needed and the bytes free when the disk cannot take `needed`."""
-    free = shutil.disk_usage(folder).free
-    if free < needed:
-        raise ValueError(f"{folder}: not enough free disk space for this run's checkpoints: need about "
-                         f"{needed:,} bytes ({needed / 2**30:.2f} GiB, two checkpoints: fp32 weights + optimizer "
-                         f"state), {free:,} bytes ({free / 2**30:.2f} GiB) free; free some space or choose "
-                         f"another --out")
+def planned_saves(cfg: TrainConfig, start: int) -> int:
+    """Checkpoints a run at step `start` writes before it ends: one per multiple of `save_every` in
+    (start, max_steps], and one at the end unless that step was one of them."""
+    if start >= cfg.max_steps:
+        return 0
+    if not cfg.save_every:
+        return 1
+    return cfg.max_steps // cfg.save_every - start // cfg.save_every + (cfg.max_steps % cfg.save_every != 0)
+
+
+# The built-in corpus is each stdlib file's code plus its docstrings and comments as a second document:
+# the prose measured 27 % of the code's bytes on CPython 3.11 (openk3/data/corpus.py), so file sizes x 1.5
+# bound the text without parsing anything.
+_BUILTIN_TEXT_PER_FILE_BYTE = 1.5
+
+
+def source_bytes(data_cfg) -> int:
+    """About the UTF-8 bytes of text `data_cfg` yields, from file sizes alone (nothing is read):
+    `max_bytes` when that is smaller. Compressed sources (parquet, datasets folders) count their
+    on-disk size, which their text can exceed."""
+    from openk3.data.sources import resolve_sources
+
+    total = 0.0
+    for src in resolve_sources(data_cfg):
+        if src.kind == "builtin":
+            from openk3.data import corpus
+
+            root = corpus.stdlib_dir()
+            total += _BUILTIN_TEXT_PER_FILE_BYTE * sum(os.path.getsize(os.path.join(root, rel))
+                                                        for rel in corpus.stdlib_files(root))
+        elif src.kind == "hf":
+            total += sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(src.path) for f in files)
+        else:
+            total += os.path.getsize(src.path)
+    total = int(total)
+    return total if data_cfg.max_bytes is None else min(total, data_cfg.max_bytes)
+
+
+def cache_bytes(data_cfg, vocab_size: int, cache_dir: Path, tok=None) -> int:
+    """What building the token cache will add under `cache_dir`: 0 when the cache for (`data_cfg`, `tok`)
+    is already there, else at most one token per byte of text (`source_bytes`; byte-level BPE never
+    does worse, and typically 2-4x better) at 2 bytes per id (4 above 65,536 ids). Document offsets
+    and the per-id byte table are small beside it and not counted."""
+    from openk3.data.shards import dataset_key
+
+    if tok is not None and (cache_dir / dataset_key(data_cfg, tok)).is_dir():
+        return 0
+    return source_bytes(data_cfg) * (2 if vocab_size <= 1 << 16 else 4)
+
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest existing parent (a folder the run has yet to create is on that disk)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_free_space(out: Path, checkpoints: int, checkpoint_size: int, cache_dir: Path, cache_size: int) -> None:
+    """ValueError naming the folder, the bytes needed (and for what) and the bytes free when a disk cannot
+    take what this run will write: `checkpoints` checkpoints of `checkpoint_size` bytes under `out` and
+    `cache_size` bytes of token cache under `cache_dir` (added up when both are on one disk)."""
+    disks: dict[int, dict] = {}  # st_dev -> the first folder on that disk, an existing path there, needs
+    for folder, size, what in (
+            (out, checkpoints * checkpoint_size,
+             f"{checkpoints} checkpoint(s) of {checkpoint_size:,} bytes (fp32 weights + optimizer state)"),
+            (cache_dir, cache_size, f"the token cache in {cache_dir} (at most one token per byte of text)")):
+        if size <= 0:
+            continue
+        anchor = _existing(folder)
+        disk = disks.setdefault(os.stat(anchor).st_dev, {"folder": folder, "anchor": anchor, "needs": []})
+        disk["needs"].append((size, f"{size:,} for {what}"))
+    for disk in disks.values():
+        needed, free = sum(n for n, _ in disk["needs"]), shutil.disk_usage(disk["anchor"]).free
+        if free < needed:
+            raise ValueError(f"{disk['folder']}: not enough free disk space for this run: need about {needed:,} "
+                             f"bytes ({needed / 2**30:.2f} GiB: {'; '.join(w for _, w in disk['needs'])}), "
+                             f"{free:,} bytes ({free / 2**30:.2f} GiB) free; free some space, or choose another "
+                             f"--out (or cache_dir=..., data.max_bytes=...)")
 
 
 def record_config(out: Path, cfg: TrainConfig, *, step: int | None, changes: list[str]) -> None:
@@ -353,7 +444,19 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
         if problems:
             _warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
 
-    tok, tok_dir = get_tokenizer(cfg, out)
+    # Disk space first, from the configs alone: a full disk is then an error before the tokenizer is
+    # trained and the data cached, not an ENOSPC in the middle of either or at the first checkpoint.
+    cache_dir = Path(cfg.cache_dir or out.resolve().parent / ".cache")
+    found_tok = find_tokenizer(cfg, out)
+    tok = found_tok[0] if found_tok is not None else None
+    model_cfg = cfg.model if tok is None else with_tokenizer_ids(cfg.model, tok)  # a new one gets vocab_size ids
+    saves = planned_saves(cfg, 0 if saved is None else int(saved["step"]))
+    if cfg.keep_checkpoints is not None:  # pruned as it goes; a save is written whole before older ones go
+        saves = min(saves, cfg.keep_checkpoints + 1)
+    check_free_space(out, saves, checkpoint_bytes(model_cfg), cache_dir,
+                     cache_bytes(cfg.data, model_cfg.vocab_size, cache_dir, tok))
+
+    tok, tok_dir = found_tok or train_tokenizer(cfg, out)
     if tok.vocab_size != cfg.model.vocab_size:
         _say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
     cfg = dataclasses.replace(cfg, model=with_tokenizer_ids(cfg.model, tok))
@@ -363,9 +466,10 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
         free, refused = resume_changes(saved["config"], cfg.to_dict())
         if refused and not allow_config_change:
             raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
-                             f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nresume with "
-                             "the checkpoint's values, or pass --allow-config-change (allow_config_change=True) "
-                             "to continue with the new ones")
+                             f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nto resume the "
+                             "run as it was, drop those options (or give the checkpoint's values); to continue with "
+                             "the new ones, pass --allow-config-change (train(..., allow_config_change=True)); the "
+                             "old config is then kept in train_config_history.jsonl")
         changes = refused + free
         if changes:
             _say(f"config changed since {ckpt.name}: " + "; ".join(changes))
@@ -373,8 +477,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
 
     seed_everything(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    cache_dir = cfg.cache_dir or str(out.resolve().parent / ".cache")
-    ds = build_dataset(cfg.data, tok, cache_dir, progress=progress)
+    ds = build_dataset(cfg.data, tok, str(cache_dir), progress=progress)
     _say(f"data {cfg.data.source!r}: train {ds.train.num_tokens:,} tokens "
          f"({ds.train.bytes_per_token:.2f} bytes/token), "
          f"val {ds.val.num_tokens:,} tokens; cache {cache_dir}")
@@ -388,9 +491,6 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                           min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
     trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads)
     n_params = sum(p.numel() for p in model.parameters())
-    if saved is None or int(saved["step"]) < cfg.max_steps:  # (a finished run writes nothing new)
-        # Two checkpoints' worth: a save writes the new one in full before an older one is pruned.
-        check_free_space(out, 2 * checkpoint_bytes(opt))
     _say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
          f"(train), {threads} thread(s), {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
