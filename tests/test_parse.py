@@ -9,7 +9,7 @@ import io
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from openk3.chat import PROBLEM_CODES, StreamParser, parse_completion, parse_tokens, render_text
@@ -330,6 +330,146 @@ def test_call_without_tool_and_argument_without_key_are_dropped():
     assert parse_tokens(_tokens(text)) == m
 
 
+# The reviewer's reproduction: a call named "" holding an argument keyed "".
+BLANK_CALL = ('<|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="" index="1"<|sep|>'
+              '<|open|>argument key="" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>'
+              "<|close|>tools<|sep|><|close|>message<|sep|>")
+
+
+def test_cli_parse_drops_a_call_with_an_empty_tool_name(monkeypatch, capsys):
+    """Follow-up on issue 15 A1: `tool=""` used to reach the client as a call named "" with arguments {"": "x"}."""
+    out = json.loads(_parse_cli(monkeypatch, capsys, BLANK_CALL, "--no-thinking"))
+    assert (out["content"], out["tool_calls"]) == ("", None)
+    assert [(p["code"], p["text"]) for p in out["problems"]] == [
+        ("call_missing_tool", '<|open|>call tool="" index="1"<|sep|><|open|>argument key="" type="string"<|sep|>x')]
+    lines = _parse_cli(monkeypatch, capsys, BLANK_CALL, "--no-thinking", "--deltas").split("\n")
+    assert not any(line.startswith('{"tool_calls"') for line in lines)
+
+
+@pytest.mark.parametrize("blank", ["", " ", "\t\n "])
+def test_blank_tool_names_and_argument_keys_are_dropped(blank):
+    """An empty or whitespace-only tool= / key= is treated like a missing one, in every path."""
+    text = ('<|close|>think<|sep|><|open|>tools<|sep|>'
+            f'<|open|>call tool="{blank}" index="1"<|sep|><|open|>json type="object"<|sep|>{{}}<|close|>json<|sep|>'
+            '<|close|>call<|sep|><|open|>call tool="f" index="2"<|sep|>'
+            f'<|open|>argument key="{blank}" type="number"<|sep|>1<|close|>argument<|sep|>'
+            '<|open|>argument key=" b" type="string"<|sep|>y<|close|>argument<|sep|><|close|>call<|sep|>'
+            "<|close|>tools<|sep|><|close|>message<|sep|>")
+    m = parse_completion(text)
+    # names and keys are not stripped: only a blank one is dropped
+    assert m["tool_calls"] == [{"id": "call_0", "type": "function",
+                                "function": {"name": "f", "arguments": '{" b": "y"}'}}]
+    assert [(p["code"], p["text"]) for p in m["problems"]] == [
+        ("call_missing_tool", f'<|open|>call tool="{blank}" index="1"<|sep|><|open|>json type="object"<|sep|>{{}}'),
+        ("argument_missing_key", f'<|open|>argument key="{blank}" type="number"<|sep|>1')]
+    assert all(repr(blank) in p["detail"] for p in m["problems"])
+    for cut in range(len(text) + 1):
+        streamed, deltas = stream(text, [cut])
+        assert streamed == m, cut
+        assert_deltas_match(m, deltas)
+        assert all(tc["function"]["name"] == "f" for d in deltas for tc in d.get("tool_calls", []) if "id" in tc)
+    assert parse_tokens(_tokens(text)) == m
+
+
+def _every_split_agrees(text: str, thinking: bool) -> dict:
+    m = parse_completion(text, thinking)
+    for cut in range(len(text) + 1):
+        streamed, deltas = stream(text, [cut], thinking)
+        assert streamed == m, cut
+        assert_deltas_match(m, deltas)
+    streamed, deltas = stream(text, list(range(len(text))), thinking)
+    assert streamed == m
+    assert_deltas_match(m, deltas)
+    return m
+
+
+def _no_marker_in(message: dict) -> bool:
+    texts = [message["reasoning_content"] or "", message["content"] or ""]
+    texts += [c["function"]["arguments"] for c in message["tool_calls"] or []]
+    return not any(marker in t for t in texts for marker in MARKERS)
+
+
+TOOLS = '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|>'
+END_TOOLS = "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>"
+
+
+@pytest.mark.parametrize("text, field, value, dropped", [
+    # the reviewer's case: both <|close|> are dropped and "x<|sep" + "|>y" would read x<|sep|>y
+    ("x<|sep<|close|><|close|>|>y", "content", "x<|sepy", ["|>"]),
+    ("x<|se<|sep|>p|>y<|close|>response<|sep|><|close|>message<|sep|>", "content", "x<|sey", ["p|>"]),
+    # the part after the join may complete a marker more than once
+    ("x<|se<|sep|>p|>p|>y", "content", "x<|sey", ["p|>", "p|>"]),
+    # text that only continues the marker's beginning is held until the tag is decided, then kept
+    ("x<|se<|sep|>p<|sep|>|>y", "content", "x<|sepy", ["|>"]),
+    ("x<|se<|sep|>p", "content", "x<|sep", []),
+    ("x<|<|close|>X<|sep|>end_of_msg|>y", "content", "x<|y", ["end_of_msg|>"]),
+    # content resumed after its channel closed (text outside a channel, appended to content)
+    ("x<|o<|close|>response<|sep|>pen|>y<|close|>message<|sep|>", "content", "x<|oy", ["pen|>"]),
+    # inside a string argument, a json block and a non-string argument
+    ('<|close|>response<|sep|>' + TOOLS + '<|open|>argument key="s" type="string"<|sep|>a<|clo<|sep|>se|>b'
+     "<|close|>argument<|sep|>" + END_TOOLS, "arguments", '{"s": "a<|clob"}', ["se|>"]),
+    ('<|close|>response<|sep|>' + TOOLS + '<|open|>json type="object"<|sep|>{<|<|sep|>sep|>}<|close|>json<|sep|>'
+     + END_TOOLS, "arguments", "{<|}", ["sep|>"]),
+    ('<|close|>response<|sep|>' + TOOLS + '<|open|>argument key="n" type="number"<|sep|>"<|s<|sep|>ep|>"'
+     "<|close|>argument<|sep|>" + END_TOOLS, "arguments", '{"n": "<|s"}', ["ep|>"]),
+])
+def test_text_mode_never_joins_text_into_a_marker(text, field, value, dropped):
+    """Follow-up on issue 15 A1: dropping protocol text between two pieces of text used to splice them into
+    a marker string (`x<|sep` + `|>y`). The part after the join that would complete it is dropped too."""
+    m = _every_split_agrees(text, thinking=False)
+    got = m["tool_calls"][0]["function"]["arguments"] if field == "arguments" else m[field]
+    assert got == value
+    assert [p["text"] for p in m["problems"] if p["code"] == "joined_marker"] == dropped
+    assert _no_marker_in(m)
+
+
+# Where a marker split in two can be rejoined: (thinking, text before, text after) for each kind of sink.
+_JOIN_PLACES = [
+    (True, "r", ""),
+    (False, "c", ""),
+    (False, "<|close|>response<|sep|>" + TOOLS + '<|open|>argument key="s" type="string"<|sep|>',
+     "<|close|>argument<|sep|>" + END_TOOLS),
+    (False, "<|close|>response<|sep|>" + TOOLS + '<|open|>argument key="n" type="number"<|sep|>"',
+     '"<|close|>argument<|sep|>' + END_TOOLS),
+    (False, "<|close|>response<|sep|>" + TOOLS + '<|open|>json type="object"<|sep|>',
+     "<|close|>json<|sep|>" + END_TOOLS),
+]
+# Protocol dropped (or consumed) between the two halves without moving the text elsewhere.
+_JOIN_DEBRIS = ["<|sep|>", "<|close|>X<|sep|>", "<|close|><|close|>", "<|open|>foo<|sep|>", "<|close|>think<|sep|>",
+                "<|close|>response<|sep|>", "<|open|>bar<|close|>"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.sampled_from(MARKERS), st.integers(1, 13), st.sampled_from(_JOIN_PLACES),
+       st.lists(st.sampled_from(_JOIN_DEBRIS), min_size=1, max_size=3), st.integers(1, 2),
+       st.lists(st.integers(0, 300), max_size=5))
+def test_a_marker_split_by_debris_never_comes_back_together(marker, k, place, debris, repeats, cuts):
+    thinking, before, after = place
+    assume(not (thinking and "<|close|>think<|sep|>" in debris))  # a real close there: the text moves to content
+    k = min(k, len(marker) - 1)
+    text = before + marker[:k] + "".join(debris) + marker[k:] * repeats + "z" + after
+    message, deltas = stream(text, [c for c in cuts if c <= len(text)], thinking)
+    assert message == parse_completion(text, thinking)
+    assert_deltas_match(message, deltas)
+    assert _no_marker_in(message)
+    assert "joined_marker" in codes(message)
+
+
+def test_joined_marker_problem_records_where_the_dropped_text_was():
+    text = "x<|sep<|close|><|close|>|>y"
+    m = parse_completion(text, thinking=False)
+    (p,) = [p for p in m["problems"] if p["code"] == "joined_marker"]
+    assert text[p["offset"]:].startswith(p["text"]) and p["offset"] == text.index("|>y")
+    assert "<|sep|>" in p["detail"]
+
+
+def test_token_mode_keeps_text_that_spells_a_marker_across_a_dropped_marker():
+    """By id, `<|se` and `p|>` are plain text either side of a real (dropped) marker: their join is text the
+    model wrote, not protocol, so nothing is dropped."""
+    m = parse_tokens(_tokens("x<|sep<|close|><|close|>|>y"), thinking=False)
+    assert m["content"] == "x<|sep|>y" and "joined_marker" not in codes(m)
+
+
 def test_text_after_end_and_feed_after_finish():
     parser = StreamParser(thinking=False)
     parser.feed("a<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>message role=\"user\"")
@@ -356,7 +496,7 @@ def test_token_mode_only_control_ids_are_structure():
 _FRAGMENTS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "think", "response", "tools", "message",
               'call tool="f" index="1"', 'argument key="k" type="string"', 'argument key="n" type="number"',
               'json type="object"', "call", "argument", "json", "x", " ", '"', "<|", "|>", "{", "1", "é", "\n",
-              'call index="1"', 'argument type="string"', "X"]
+              'call index="1"', 'argument type="string"', "X", "<|se", "p|>", "<|clo", "se|>", "<|o"]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -366,9 +506,11 @@ def test_never_raises_and_deltas_are_consistent(fragments, cuts, thinking):
     text = "".join(fragments)
     message, deltas = stream(text, [c for c in cuts if c <= len(text)], thinking)
     assert message == parse_completion(text, thinking)
-    assert message == parse_tokens(_tokens(text), thinking)  # the token-id path parses the same grammar
     assert_deltas_match(message, deltas)
     assert set(codes(message)) <= set(PROBLEM_CODES)
+    assert _no_marker_in(message)  # no protocol text, not even spliced together from the pieces around debris
+    if "joined_marker" not in codes(message):  # by id, such a splice is text the model wrote (and kept)
+        assert message == parse_tokens(_tokens(text), thinking)  # the token-id path parses the same grammar
     if "json" not in text:
         for call in message["tool_calls"] or []:
             assert isinstance(json.loads(call["function"]["arguments"]), dict)
@@ -401,11 +543,13 @@ def _not_json(s: str) -> bool:
     return False
 
 
-arguments = st.one_of(st.dictionaries(safe_text, json_value, max_size=4).map(lambda d: ("obj", d)),
+# tool names and argument keys are never blank: the renderer refuses them (the parser would drop them)
+name_text = safe_text.filter(str.strip)
+arguments = st.one_of(st.dictionaries(name_text, json_value, max_size=4).map(lambda d: ("obj", d)),
                       safe_text.filter(_not_json).map(lambda s: ("raw", s)),
                       st.sampled_from([("obj", {}), ("empty", ""), ("none", None)]))
 content = st.one_of(st.none(), safe_text, st.lists(safe_text, max_size=3))
-calls = st.lists(st.tuples(safe_text, arguments), max_size=3)
+calls = st.lists(st.tuples(name_text, arguments), max_size=3)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))

@@ -480,6 +480,33 @@ def test_request_errors(request_, match):
         render(request_)
 
 
+def _call_turn(*calls) -> dict:
+    return {"messages": [user("q"), {"role": "assistant", "content": "a", "tool_calls": list(calls)}]}
+
+
+@pytest.mark.parametrize("call, match", [
+    ({"id": "1", "function": {"name": "", "arguments": "{}"}}, r"messages\[1\] tool_calls\[1\]: function.name ''"),
+    ({"id": "1", "function": {"name": " \t", "arguments": "{}"}}, r"tool_calls\[1\]: function.name ' \\t'"),
+    ({"id": "1", "name": "", "arguments": {"a": 1}}, r"tool_calls\[1\]: function.name ''"),  # flat call
+    ({"id": "1", "function": {"name": "f", "arguments": '{"": "x"}'}}, r"messages\[1\] tool_calls\[1\]: "
+     r"function.arguments has the key ''"),
+    ({"id": "1", "function": {"name": "f", "arguments": {"a": 1, "  ": 2}}}, r"function.arguments has the key '  '"),
+])
+def test_blank_tool_name_or_argument_key_is_refused(call, match):
+    """Follow-up on issue 15 A1: `call tool=""` / `argument key=""` used to render without complaint; the
+    parser drops such calls and arguments, so a prompt holding one is not what the model can answer with."""
+    good = {"id": "0", "function": {"name": "g", "arguments": "{}"}}
+    with pytest.raises(ValueError, match=match):
+        render(_call_turn(good, call))
+
+
+def test_names_and_keys_are_not_stripped_and_raw_arguments_are_not_inspected():
+    prompt = render_text(render(_call_turn({"id": "1", "function": {"name": " f", "arguments": '{" k": 1}'}},
+                                         {"id": "2", "function": {"name": "g", "arguments": '{"": broken'}})))
+    assert '<|open|>call tool=" f" index="1"<|sep|><|open|>argument key=" k" type="number"<|sep|>1' in prompt
+    assert '<|open|>json type="object"<|sep|>{"": broken<|close|>json<|sep|>' in prompt  # not JSON: kept verbatim
+
+
 def test_generation_prompt_is_what_a_history_assistant_turn_starts_with():
     prompt = text(messages=[user("q")])
     full = text(messages=[user("q"), {"role": "assistant", "content": "a"}], add_generation_prompt=False)
@@ -527,6 +554,7 @@ def test_cli_template_ids(monkeypatch, capsys):
     ("[]", {}, "JSON object"),
     (json.dumps({"messages": [user("x")]}), {"ids": True}, "--tokenizer"),
     (json.dumps({"messages": [user("x")], "thinking_effort": "medium"}), {}, "medium"),
+    (json.dumps(_call_turn({"function": {"name": "", "arguments": "{}"}})), {}, r"messages\[1\] tool_calls\[0\]"),
 ])
 def test_cli_template_errors(monkeypatch, capsys, stdin, flags, match):
     with pytest.raises(ValueError, match=match):

@@ -18,7 +18,10 @@ real marker from one the model wrote out as ordinary characters.
 Nothing here raises on model output, and no protocol text ever reaches `content` or
 `reasoning_content`: a marker, tag or tool call the grammar does not allow where it appears is
 dropped and recorded in `problems` (with its text; see PROBLEM_CODES). Ordinary text that is not
-structure stays in the channel it appeared in.
+structure stays in the channel it appeared in. Fed plain text, no channel or argument ever holds a
+complete marker string, not even one spliced from the text either side of something dropped
+(`x<|sep` + dropped + `|>y`): the part that would complete it is dropped too (`joined_marker`). By
+token id such a splice is text the model wrote, and is kept.
 """
 
 from __future__ import annotations
@@ -44,14 +47,19 @@ PROBLEM_CODES = {
     "text_outside_channel": "non-whitespace text between channels; appended to content",
     "channel_order": "think/response/tools out of order or repeated; parsed anyway",
     "bad_attributes": "a tag whose attributes do not follow key=\"value\"; read leniently",
-    "call_missing_tool": "a call without a tool= attribute; the call is dropped (text in problem)",
+    "call_missing_tool": "a call without a tool name (no tool=, or an empty or whitespace-only one); the call is "
+                         "dropped (text in problem)",
     "call_index_mismatch": "a call's index= differs from its position",
-    "argument_missing_key": "an argument without key=; the argument is dropped (text in problem)",
+    "argument_missing_key": "an argument without a key (no key=, or an empty or whitespace-only one); the argument "
+                            "is dropped (text in problem)",
     "unknown_argument_type": "type= is not string/number/boolean/null/object/array; parsed as JSON if it is",
     "invalid_argument_json": "a non-string argument whose text is not JSON; kept as a string",
     "argument_type_mismatch": "an argument's JSON value does not match its type=; value kept",
     "duplicate_argument": "the same key twice in one call (the JSON object repeats it)",
     "mixed_call_body": "a call mixing argument and json children; the later ones are dropped (text in problem)",
+    "joined_marker": "(text mode) text that would complete a marker string with the text before it in the same "
+                     "channel or argument, once protocol between them is dropped or consumed; dropped (text in "
+                     "problem)",
     "text_after_end": "output after the message ended; not part of the message (text in problem)",
     "feed_after_finish": "feed() after finish(); ignored (text in problem)",
 }
@@ -130,6 +138,66 @@ class _Lexer:
         return [("text", rest)] if rest else []
 
 
+_MARKER_PREFIXES = frozenset(m[:k] for m in MARKERS for k in range(1, len(m)))
+_TAIL = max(map(len, MARKERS)) - 1
+
+
+def _open_marker(tail: str) -> str:
+    """The end of `tail` that a marker could continue ('' if none): from its last `<`, as markers hold
+    one `<` only, at their start."""
+    k = tail.rfind("<")
+    return tail[k:] if k >= 0 and tail[k:] in _MARKER_PREFIXES else ""
+
+
+class _Sink:
+    """One place text goes (reasoning, content, an argument's value, a json block) that, in text mode,
+    never receives a complete marker string.
+
+    The lexer cuts every marker out of the text, so a marker string can only arise where text is joined
+    across something removed between: a dropped marker or tag, or a channel closed and later resumed
+    (`x<|sep` + `<|close|><|close|>` dropped + `|>y`). What came before the join may already have been
+    streamed, so the text after it that would complete the marker is dropped (`joined_marker`). Text that
+    only continues a marker's beginning (`<|se` + `p`) is held until more text decides it or the run of
+    text ends at the next marker (`release`), so the outcome is the same for any chunking.
+    """
+
+    def __init__(self, write: Callable[[str], None], problem: Callable[..., Any]):
+        self._write, self._problem = write, problem
+        self.tail = ""  # the last characters written, enough to hold a marker's beginning
+        self.held = ""
+        self.held_at = 0
+
+    def put(self, text: str, at: int, exact: bool) -> bool:
+        """Write `text` (input offset `at`); exact: it came by token id, so it is text whatever it spells.
+        Returns whether something is now held (to be released at the end of the run)."""
+        if self.held:
+            text, at, self.held = self.held + text, self.held_at, ""
+        start = "" if exact else _open_marker(self.tail)
+        while start and text:
+            joined = start + text
+            marker = next((m for m in MARKERS if joined.startswith(m)), None)
+            if marker is None:
+                if joined in _MARKER_PREFIXES:
+                    self.held, self.held_at = text, at
+                    return True
+                break
+            cut = len(marker) - len(start)
+            self._problem("joined_marker", f"text joined across removed protocol would complete {marker} with "
+                          f"the {start!r} before it; dropped", text[:cut], offset=at)
+            text, at = text[cut:], at + cut
+        self._put(text)
+        return False
+
+    def release(self) -> None:
+        held, self.held = self.held, ""
+        self._put(held)
+
+    def _put(self, text: str) -> None:
+        if text:
+            self.tail = (self.tail + text)[-_TAIL:]
+            self._write(text)
+
+
 class StreamParser:
     """Incremental parser of one assistant completion (the text after the generation prompt).
 
@@ -160,6 +228,10 @@ class StreamParser:
         self._call_tags = 0  # call tags seen, for the index= check
         self._arg: dict | None = None
         self._trailing: dict | None = None
+        self._sinks = {key: _Sink(lambda text, key=key: self._emit(key, text), self._problem)
+                       for key in ("reasoning_content", "content")}
+        self._held: _Sink | None = None  # the sink holding the start of a run of text, if any
+        self._exact = False  # the text being parsed came by token id (feed_token)
         self.problems: list[dict] = []
         self._pos = 0
         self._out: list[dict] = []
@@ -183,10 +255,14 @@ class StreamParser:
         for kind, value in self._lexer.flush():
             self._atom(kind, value)
         marker = self._marker_ids.get(token_id)
-        if marker is not None:
-            self._atom("marker", marker)
-        elif piece:
-            self._atom("text", piece)
+        self._exact = True
+        try:
+            if marker is not None:
+                self._atom("marker", marker)
+            elif piece:
+                self._atom("text", piece)
+        finally:
+            self._exact = False
         return self._take()
 
     def finish(self) -> list[dict]:
@@ -195,6 +271,7 @@ class StreamParser:
             return []
         for kind, value in self._lexer.flush():
             self._atom(kind, value)
+        self._release()
         if self._tag is not None:
             tag, self._tag = self._tag, None
             if tag["kind"] == "close" and tag["text"] in _TAGS:
@@ -267,6 +344,8 @@ class StreamParser:
     def _atom(self, kind: str, value: str) -> None:
         start = self._pos
         self._pos += len(value)
+        if kind == "marker":  # a run of text ends: what it held back is decided
+            self._release()
         if self._tag is not None:
             tag = self._tag
             if kind == "text":
@@ -357,29 +436,40 @@ class StreamParser:
 
     # ---------------------------------------------------------------------------------- text
 
+    def _put(self, sink: _Sink, text: str) -> None:
+        # text passed to _text always ends at the current position
+        if sink.put(text, self._pos - len(text), self._exact):
+            assert self._held in (None, sink), "a run of text goes to one sink"
+            self._held = sink
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.release()
+            self._held = None
+
     def _text(self, text: str) -> None:
         top = self._stack[-1]
         if top == "think":
             self._started = self._started or bool(text)
-            self._emit("reasoning_content", text)
+            self._put(self._sinks["reasoning_content"], text)
         elif top == "response":
             self._started = self._started or bool(text)
-            self._emit("content", text)
+            self._put(self._sinks["content"], text)
         elif top == "argument":
             arg = self._arg
-            if arg["discard"] or not arg["string"]:
+            if arg["discard"]:
                 arg["buf"].append(text)
             else:
-                self._emit_args(arg["call"], _json_string_body(text))
+                self._put(arg["sink"], text)
         elif top == "json":
             call = self._call
             if call.get("discard_json"):
                 call["discarded"].append(text)
             else:
-                self._emit_args(call, text)
+                self._put(call["json_sink"], text)
         else:  # between channels / calls / arguments
             if self._stray_live:
-                self._emit("content", text)
+                self._put(self._sinks["content"], text)
                 return
             self._stray += text
             if self._stray.strip():
@@ -389,7 +479,7 @@ class StreamParser:
                               offset=self._pos - len(self._stray) + first)
                 self._stray_live = True
                 stray, self._stray = self._stray, ""
-                self._emit("content", stray)
+                self._put(self._sinks["content"], stray)
 
     def _flush_stray(self) -> None:
         self._stray = ""  # only whitespace is ever held
@@ -433,6 +523,7 @@ class StreamParser:
             call = self._call
             if call["mode"] is None and not call["dropped"]:
                 call["mode"] = "raw"
+                call["json_sink"] = _Sink(lambda text: self._emit_args(call, text), self._problem)
             else:
                 if not call["dropped"]:  # a dropped call was reported as a whole
                     self._problem("mixed_call_body", f"json block in a call that already has {call['mode']} children")
@@ -487,11 +578,13 @@ class StreamParser:
         name = attrs.get("tool")
         call = {"n": n, "name": name, "arguments": "", "mode": None, "keys": set(), "dropped": None}
         self._call = call
-        if name is None:
+        if name is None or not name.strip():
             # A call nobody can dispatch: emitting it with name "" would hand clients a call to an empty
-            # tool. Its body is swallowed into the problem's text instead.
-            call["dropped"] = self._problem("call_missing_tool", f"call tag {self._call_tags} has no tool "
-                                            "attribute; dropped", raw)
+            # tool (no tool can be named by whitespace alone either; the renderer refuses both). Its body
+            # is swallowed into the problem's text instead.
+            what = "no tool attribute" if name is None else f"a blank tool name {name!r}"
+            call["dropped"] = self._problem("call_missing_tool", f"call tag {self._call_tags} has {what}; "
+                                            "dropped", raw)
             return
         if attrs.get("index") not in (None, str(self._call_tags)):
             self._problem("call_index_mismatch", f"call {n} has index={attrs['index']!r}, "
@@ -513,8 +606,9 @@ class StreamParser:
             arg["discard"] = True
             arg["buf"].append(raw)
             return
-        if key is None:
-            arg["report"] = self._problem("argument_missing_key", f"argument of call {call['n']} has no key; "
+        if key is None or not key.strip():
+            what = "no key" if key is None else f"a blank key {key!r}"
+            arg["report"] = self._problem("argument_missing_key", f"argument of call {call['n']} has {what}; "
                                           "dropped", "")
             arg["discard"] = True
             arg["buf"].append(raw)
@@ -530,6 +624,8 @@ class StreamParser:
         if key in call["keys"]:
             self._problem("duplicate_argument", f"argument {key!r} repeated in call {call['n']}")
         call["keys"].add(key)
+        write = (lambda text: self._emit_args(call, _json_string_body(text))) if arg["string"] else arg["buf"].append
+        arg["sink"] = _Sink(write, self._problem)
         prefix = "{" if call["mode"] is None else ", "
         call["mode"] = "args"
         self._emit_args(call, prefix + _dumps(key) + ": " + ('"' if arg["string"] else ""))

@@ -392,6 +392,14 @@ def _render_assistant(out: _Out, msg: dict, thinking: bool, where: str) -> None:
             cwhere = f"{where} tool_calls[{index - 1}]"
             fn = _function(call, cwhere)
             args, raw = parse_arguments(fn.get("arguments"), cwhere)
+            # The parser drops a call whose tool name is blank and an argument whose key is blank (nothing
+            # can dispatch them), so a history holding one would teach / prompt what is never returned.
+            if not str(fn["name"]).strip():
+                raise ValueError(f"{cwhere}: function.name {fn['name']!r} is blank; a tool call needs a tool name")
+            blank = next((key for key in args or {} if not str(key).strip()), None)
+            if blank is not None:
+                raise ValueError(f"{cwhere}: function.arguments has the key {blank!r}; every argument needs a "
+                                 "non-blank name")
             out.open_tag("call", [("tool", fn["name"]), ("index", index)])
             if raw is not None:
                 out.open_tag("json", [("type", "object")])
