@@ -28,6 +28,13 @@ def _prompts(lengths, vocab, seed=0):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
+def _short(name: str):
+    """`name` cut to 5 layers (1 dense + 4 MoE; KDA 1-3, MLA 4-5, one AttnRes block boundary in the K3 form):
+    every structural feature of the preset, with about half the graph to compile (cold inductor cache: CI)."""
+    return preset(name).replace(num_hidden_layers=5, **{"linear_attn_config.full_attn_layers": [4, 5],
+                                                         "linear_attn_config.kda_layers": None})
+
+
 def _run(model, graph, prompts, *, max_tokens, slots, vary=True):
     """Greedy generation; with `graph`, every decode step goes through it. Returns tokens and the
     logits of every decode step (per request, in order)."""
@@ -87,7 +94,7 @@ def test_compile_failure_falls_back_to_eager():
 @pytest.mark.slow
 def test_compiled_step_equals_eager_step(monkeypatch):
     """torch.compile of the step, K3 form (AttnRes, gates, latent MoE): the first call compiles (about
-    two minutes on one CPU core; kept to one graph here: three rows decoding together in four slots,
+    40 s on one CPU core with a cold inductor cache; kept to one graph here: three rows decoding together in four slots,
     which takes the fused MoE kernel as an opaque operator when it is available, else the dense form).
     The key window grows past the buffers' first capacity under the same graph. Greedy tokens equal,
     logits within fp32 rounding. (The MoE branches the compiled step can take are twins of the
@@ -95,7 +102,7 @@ def test_compiled_step_equals_eager_step(monkeypatch):
     from openk3.model.moe import compiled_impl
     from openk3.ops import moe_cpu
 
-    model = K3ForCausalLM.build(preset("nano"), seed=0).eval()
+    model = K3ForCausalLM.build(_short("nano"), seed=0).eval()
     c = model.config
     form = compiled_impl(3, c.num_experts_per_token, c.num_experts, c.moe_intermediate_size, c.expert_in_dim,
                          fused=moe_cpu.available())
@@ -120,13 +127,13 @@ def test_compiled_step_equals_eager_step(monkeypatch):
 def test_compiled_step_on_packed_mxfp4_experts(monkeypatch):
     """A model with MXFP4-packed experts (`keep_packed=True` loads) decodes compiled: every MoE layer of the
     graph calls the MXFP4 kernel as `openk3::experts_mxfp4`; greedy tokens equal the eager engine's, logits
-    within fp32 rounding. (About a minute of compiling on one CPU core.)"""
+    within fp32 rounding. (About 25 s of compiling on one CPU core, cold cache.)"""
     from openk3.ops import moe_mxfp4_cpu
     from openk3.quant.packed_experts import pack_model_experts_
 
     if not moe_mxfp4_cpu.available():
         pytest.skip("no C compiler: compiled decode of packed experts is refused (tested in test_moe_mxfp4_cpu.py)")
-    model = pack_model_experts_(K3ForCausalLM.build(preset("nano-kl"), seed=0).eval())
+    model = pack_model_experts_(K3ForCausalLM.build(_short("nano-kl"), seed=0).eval())
     prompts = _prompts((12, 5, 9), model.config.vocab_size)
     ref_tok, ref_logits = _run(model, None, prompts, max_tokens=10, slots=4, vary=False)
     calls = []
