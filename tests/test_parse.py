@@ -236,7 +236,7 @@ def test_protocol_text_never_reaches_content_or_reasoning(thinking):
     """Issue 15 A1: stray markers and tags are dropped (problems record them), whole text, streamed and by id."""
     text = DEBRIS + ("<|close|>think<|sep|><|open|>response<|sep|>" + DEBRIS if thinking else "")
     text += "<|close|>response<|sep|><|close|>message<|sep|>"
-    m = parse_completion(text, thinking)
+    m = _every_split_agrees(text, thinking)  # streaming: every split in two (markers cut anywhere), single chars
     if thinking:
         assert (m["reasoning_content"], m["content"]) == (DEBRIS_TEXT, DEBRIS_TEXT)
     else:
@@ -244,14 +244,6 @@ def test_protocol_text_never_reaches_content_or_reasoning(thinking):
     dropped = [p["text"] for p in m["problems"] if p["code"] in ("stray_sep", "malformed_tag", "unexpected_tag")]
     assert dropped[:8] == ["<|sep|>", "<|close|>X<|sep|>", "<|close|>argument<|sep|>", '<|open|>call tool="f"<|sep|>',
                            "<|close|>X ", '<|open|>foo k="v"<|sep|>', "<|open|>bar", "<|close|> "]
-    # streaming: every split in two (markers and tags cut anywhere) and single characters
-    for cut in range(len(text) + 1):
-        streamed, deltas = stream(text, [cut], thinking)
-        assert streamed == m, cut
-        assert_deltas_match(m, deltas)
-    streamed, deltas = stream(text, list(range(len(text))), thinking)
-    assert streamed == m
-    assert_deltas_match(m, deltas)
     # token path: the same message (offsets count marker text, as in text mode)
     assert parse_tokens(_tokens(text), thinking) == m
 
