@@ -220,7 +220,7 @@ def test_free_space_is_checked_before_the_tokenizer_and_the_cache_and_counts_the
 
 
 def test_checkpoints_counted_are_the_ones_the_run_writes():
-    from openk3.train.trainer import planned_saves
+    from openk3.train.space import planned_saves
 
     assert planned_saves(tiny(max_steps=10, save_every=3), 0) == 4  # 3, 6, 9 and the end
     assert planned_saves(tiny(max_steps=9, save_every=3), 3) == 2  # 6, 9

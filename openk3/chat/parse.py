@@ -31,6 +31,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from openk3.chat.lexer import Lexer, Sink
 from openk3.chat.xtml import CLOSE, END_OF_MSG, MARKERS, OPEN, SEP
 
 #: Control-token ids of the markers (spec §7.1); 163585 `[EOS]` also ends a message.
@@ -100,104 +101,6 @@ def _json_string_body(text: str) -> str:
     return _dumps(text)[1:-1]
 
 
-class _Lexer:
-    """Text -> atoms ('text', s) / ('marker', m), holding back a tail that may begin a marker."""
-
-    def __init__(self) -> None:
-        self.buf = ""
-
-    def feed(self, text: str) -> list[tuple[str, str]]:
-        buf = self.buf + text
-        atoms: list[tuple[str, str]] = []
-        start = i = 0
-        while True:
-            p = buf.find("<|", i)
-            if p < 0:
-                hold = 1 if buf.endswith("<") else 0
-                break
-            marker = next((m for m in MARKERS if buf.startswith(m, p)), None)
-            if marker is not None:
-                if p > start:
-                    atoms.append(("text", buf[start:p]))
-                atoms.append(("marker", marker))
-                start = i = p + len(marker)
-                continue
-            tail = buf[p:]
-            if any(m.startswith(tail) for m in MARKERS):  # an unfinished marker at the end
-                hold = len(tail)
-                break
-            i = p + 2
-        end = len(buf) - hold
-        if end > start:
-            atoms.append(("text", buf[start:end]))
-        self.buf = buf[end:]
-        return atoms
-
-    def flush(self) -> list[tuple[str, str]]:
-        rest, self.buf = self.buf, ""
-        return [("text", rest)] if rest else []
-
-
-_MARKER_PREFIXES = frozenset(m[:k] for m in MARKERS for k in range(1, len(m)))
-_TAIL = max(map(len, MARKERS)) - 1
-
-
-def _open_marker(tail: str) -> str:
-    """The end of `tail` that a marker could continue ('' if none): from its last `<`, as markers hold
-    one `<` only, at their start."""
-    k = tail.rfind("<")
-    return tail[k:] if k >= 0 and tail[k:] in _MARKER_PREFIXES else ""
-
-
-class _Sink:
-    """One place text goes (reasoning, content, an argument's value, a json block) that, in text mode,
-    never receives a complete marker string.
-
-    The lexer cuts every marker out of the text, so a marker string can only arise where text is joined
-    across something removed between: a dropped marker or tag, or a channel closed and later resumed
-    (`x<|sep` + `<|close|><|close|>` dropped + `|>y`). What came before the join may already have been
-    streamed, so the text after it that would complete the marker is dropped (`joined_marker`). Text that
-    only continues a marker's beginning (`<|se` + `p`) is held until more text decides it or the run of
-    text ends at the next marker (`release`), so the outcome is the same for any chunking.
-    """
-
-    def __init__(self, write: Callable[[str], None], problem: Callable[..., Any]):
-        self._write, self._problem = write, problem
-        self.tail = ""  # the last characters written, enough to hold a marker's beginning
-        self.held = ""
-        self.held_at = 0
-
-    def put(self, text: str, at: int, exact: bool) -> bool:
-        """Write `text` (input offset `at`); exact: it came by token id, so it is text whatever it spells.
-        Returns whether something is now held (to be released at the end of the run)."""
-        if self.held:
-            text, at, self.held = self.held + text, self.held_at, ""
-        start = "" if exact else _open_marker(self.tail)
-        while start and text:
-            joined = start + text
-            marker = next((m for m in MARKERS if joined.startswith(m)), None)
-            if marker is None:
-                if joined in _MARKER_PREFIXES:
-                    self.held, self.held_at = text, at
-                    return True
-                break
-            cut = len(marker) - len(start)
-            self._problem("joined_marker", f"text joined across removed protocol would complete {marker} with "
-                          f"the {start!r} before it; dropped", text[:cut], offset=at)
-            text, at = text[cut:], at + cut
-        self._put(text)
-        return False
-
-    def release(self) -> None:
-        held, self.held = self.held, ""
-        self._put(held)
-
-    def _put(self, text: str) -> None:
-        if text:
-            self.tail = (self.tail + text)[-_TAIL:]
-            self._write(text)
-
-
 class StreamParser:
     """Incremental parser of one assistant completion (the text after the generation prompt).
 
@@ -211,7 +114,7 @@ class StreamParser:
         self.thinking = thinking
         self._call_id = call_id or (lambda i, name: f"call_{i}")
         self._marker_ids = MARKER_IDS if marker_ids is None else marker_ids
-        self._lexer = _Lexer()
+        self._lexer = Lexer()
         self._stack = ["message", "think" if thinking else "response"]
         self._channels = [self._stack[-1]]
         self._started = False  # anything but an echo of the prompt's own tags seen yet
@@ -228,9 +131,9 @@ class StreamParser:
         self._call_tags = 0  # call tags seen, for the index= check
         self._arg: dict | None = None
         self._trailing: dict | None = None
-        self._sinks = {key: _Sink(lambda text, key=key: self._emit(key, text), self._problem)
+        self._sinks = {key: Sink(lambda text, key=key: self._emit(key, text), self._problem)
                        for key in ("reasoning_content", "content")}
-        self._held: _Sink | None = None  # the sink holding the start of a run of text, if any
+        self._held: Sink | None = None  # the sink holding the start of a run of text, if any
         self._exact = False  # the text being parsed came by token id (feed_token)
         self.problems: list[dict] = []
         self._pos = 0
@@ -436,7 +339,7 @@ class StreamParser:
 
     # ---------------------------------------------------------------------------------- text
 
-    def _put(self, sink: _Sink, text: str) -> None:
+    def _put(self, sink: Sink, text: str) -> None:
         # text passed to _text always ends at the current position
         if sink.put(text, self._pos - len(text), self._exact):
             assert self._held in (None, sink), "a run of text goes to one sink"
@@ -523,7 +426,7 @@ class StreamParser:
             call = self._call
             if call["mode"] is None and not call["dropped"]:
                 call["mode"] = "raw"
-                call["json_sink"] = _Sink(lambda text: self._emit_args(call, text), self._problem)
+                call["json_sink"] = Sink(lambda text: self._emit_args(call, text), self._problem)
             else:
                 if not call["dropped"]:  # a dropped call was reported as a whole
                     self._problem("mixed_call_body", f"json block in a call that already has {call['mode']} children")
@@ -625,7 +528,7 @@ class StreamParser:
             self._problem("duplicate_argument", f"argument {key!r} repeated in call {call['n']}")
         call["keys"].add(key)
         write = (lambda text: self._emit_args(call, _json_string_body(text))) if arg["string"] else arg["buf"].append
-        arg["sink"] = _Sink(write, self._problem)
+        arg["sink"] = Sink(write, self._problem)
         prefix = "{" if call["mode"] is None else ", "
         call["mode"] = "args"
         self._emit_args(call, prefix + _dumps(key) + ": " + ('"' if arg["string"] else ""))

@@ -51,6 +51,7 @@ from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, pl
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
 from openk3.train.schedule import LRSchedule
+from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, planned_saves
 from openk3.train.state import (
     clean_leftovers,
     find_latest,
@@ -269,100 +270,6 @@ def with_tokenizer_ids(model_cfg, tok):
     eos = tok.special_ids.get("<|end_of_msg|>", tok.eos_id)
     extra = dict(model_cfg.extra, bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
     return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
-
-
-def checkpoint_bytes(model_cfg) -> int:
-    """About one checkpoint on disk, from the model config alone (no model is built): fp32 weights plus
-    the optimizer's fp32 state per parameter (Muon: one momentum buffer; AdamW: two moments), split as
-    `openk3.train.optim` groups them (`openk3.plan.train.optimizer_split`; `optim.muon_router` moves the
-    small router onto Muon, so this is then a slight overestimate). Tokenizer files, loader, RNG and
-    metrics state are negligible beside it."""
-    from openk3.plan.counts import params
-    from openk3.plan.train import optimizer_split
-
-    split = optimizer_split(model_cfg)
-    return 4 * params(model_cfg).total + 4 * split["muon"] + 8 * split["adamw"]
-
-
-def planned_saves(cfg: TrainConfig, start: int) -> int:
-    """Checkpoints a run at step `start` writes before it ends: one per multiple of `save_every` in
-    (start, max_steps], and one at the end unless that step was one of them."""
-    if start >= cfg.max_steps:
-        return 0
-    if not cfg.save_every:
-        return 1
-    return cfg.max_steps // cfg.save_every - start // cfg.save_every + (cfg.max_steps % cfg.save_every != 0)
-
-
-# The built-in corpus is each stdlib file's code plus its docstrings and comments as a second document:
-# the prose measured 27 % of the code's bytes on CPython 3.11 (openk3/data/corpus.py), so file sizes x 1.5
-# bound the text without parsing anything.
-_BUILTIN_TEXT_PER_FILE_BYTE = 1.5
-
-
-def source_bytes(data_cfg) -> int:
-    """About the UTF-8 bytes of text `data_cfg` yields, from file sizes alone (nothing is read):
-    `max_bytes` when that is smaller. Compressed sources (parquet, datasets folders) count their
-    on-disk size, which their text can exceed."""
-    from openk3.data.sources import resolve_sources
-
-    total = 0.0
-    for src in resolve_sources(data_cfg):
-        if src.kind == "builtin":
-            from openk3.data import corpus
-
-            root = corpus.stdlib_dir()
-            total += _BUILTIN_TEXT_PER_FILE_BYTE * sum(os.path.getsize(os.path.join(root, rel))
-                                                        for rel in corpus.stdlib_files(root))
-        elif src.kind == "hf":
-            total += sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(src.path) for f in files)
-        else:
-            total += os.path.getsize(src.path)
-    total = int(total)
-    return total if data_cfg.max_bytes is None else min(total, data_cfg.max_bytes)
-
-
-def cache_bytes(data_cfg, vocab_size: int, cache_dir: Path, tok=None) -> int:
-    """What building the token cache will add under `cache_dir`: 0 when the cache for (`data_cfg`, `tok`)
-    is already there, else at most one token per byte of text (`source_bytes`; byte-level BPE never
-    does worse, and typically 2-4x better) at 2 bytes per id (4 above 65,536 ids). Document offsets
-    and the per-id byte table are small beside it and not counted."""
-    from openk3.data.shards import dataset_key
-
-    if tok is not None and (cache_dir / dataset_key(data_cfg, tok)).is_dir():
-        return 0
-    return source_bytes(data_cfg) * (2 if vocab_size <= 1 << 16 else 4)
-
-
-def _existing(path: Path) -> Path:
-    """`path` or its nearest existing parent (a folder the run has yet to create is on that disk)."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def check_free_space(out: Path, checkpoints: int, checkpoint_size: int, cache_dir: Path, cache_size: int) -> None:
-    """ValueError naming the folder, the bytes needed (and for what) and the bytes free when a disk cannot
-    take what this run will write: `checkpoints` checkpoints of `checkpoint_size` bytes under `out` and
-    `cache_size` bytes of token cache under `cache_dir` (added up when both are on one disk)."""
-    disks: dict[int, dict] = {}  # st_dev -> the first folder on that disk, an existing path there, needs
-    for folder, size, what in (
-            (out, checkpoints * checkpoint_size,
-             f"{checkpoints} checkpoint(s) of {checkpoint_size:,} bytes (fp32 weights + optimizer state)"),
-            (cache_dir, cache_size, f"the token cache in {cache_dir} (at most one token per byte of text)")):
-        if size <= 0:
-            continue
-        anchor = _existing(folder)
-        disk = disks.setdefault(os.stat(anchor).st_dev, {"folder": folder, "anchor": anchor, "needs": []})
-        disk["needs"].append((size, f"{size:,} for {what}"))
-    for disk in disks.values():
-        needed, free = sum(n for n, _ in disk["needs"]), shutil.disk_usage(disk["anchor"]).free
-        if free < needed:
-            raise ValueError(f"{disk['folder']}: not enough free disk space for this run: need about {needed:,} "
-                             f"bytes ({needed / 2**30:.2f} GiB: {'; '.join(w for _, w in disk['needs'])}), "
-                             f"{free:,} bytes ({free / 2**30:.2f} GiB) free; free some space, or choose another "
-                             f"--out (or cache_dir=..., data.max_bytes=...)")
 
 
 def record_config(out: Path, cfg: TrainConfig, *, step: int | None, changes: list[str]) -> None:
