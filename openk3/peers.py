@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-_BOS = 163584  # `[BOS]` of the Kimi tokenizer (config.json); K3Config keeps it only as metadata
+from openk3.config_rules import k3_special_id
 
 __all__ = ["check_kimi_linear_form", "to_transformers", "to_transformers_state_dict", "transformers_config"]
 
@@ -79,7 +79,7 @@ def transformers_config(cfg, *, attn_implementation: str = "eager"):
 
     check_kimi_linear_form(cfg)
     la = cfg.linear_attn_config
-    L = cfg.num_hidden_layers
+    L, vocab = cfg.num_hidden_layers, cfg.vocab_size
     hf = KimiLinearConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         moe_intermediate_size=cfg.moe_intermediate_size, num_hidden_layers=L,
@@ -92,7 +92,8 @@ def transformers_config(cfg, *, attn_implementation: str = "eager"):
         # top-k > 1, so at top-1 the peer is told not to
         moe_renormalize=cfg.moe_renormalize and cfg.num_experts_per_token > 1, hidden_act=cfg.hidden_act,
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        pad_token_id=None, bos_token_id=_token_id(cfg.extra.get("bos_token_id", _BOS), cfg.vocab_size),
+        pad_token_id=None, bos_token_id=_token_id(cfg.extra.get("bos_token_id", k3_special_id(vocab, "bos_token_id")),
+                                                  vocab),
         eos_token_id=_token_id(cfg.eos_token_id, cfg.vocab_size), tie_word_embeddings=False,
         layer_types=["full_attention" if cfg.is_mla_layer(i) else "linear_attention" for i in range(L)],
         mlp_layer_types=["sparse" if cfg.is_moe_layer(i) else "dense" for i in range(L)],

@@ -251,9 +251,10 @@ def test_config_files_wrapper_and_bare(tmp_path):
     save(kl, tmp_path / "b")
     bare = json.loads((tmp_path / "b" / "config.json").read_text())
     assert bare["model_type"] == "kimi_linear" and "text_config" not in bare
-    assert bare["bos_token_id"] is None and bare["pad_token_id"] is None  # release ids lie outside vocab 512
+    # K3's layout for vocab 512 (256 ranks + the reserved block), as eos: [BOS] 256, [PAD] 511
+    assert (bare["bos_token_id"], bare["eos_token_id"], bare["pad_token_id"]) == (256, 258, 511)
     assert json.loads((tmp_path / "b" / "generation_config.json").read_text()) == \
-        {"eos_token_id": kl.config.eos_token_id}
+        {"bos_token_id": 256, "eos_token_id": kl.config.eos_token_id, "pad_token_id": 511}
     # the wrapper default follows the config: a Kimi-Linear config read from a wrapper stays a wrapper
     kl.config.extra["_wrapper"] = {"vision_config": {"patch_size": 14}, "bos_token_id": 1, "pad_token_id": 0,
                                    "media_placeholder_token_id": 7}

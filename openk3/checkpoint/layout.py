@@ -18,13 +18,13 @@ from typing import Any
 import torch
 
 from openk3.config import K3Config
+from openk3.config_rules import k3_special_id
 from openk3.model.model import FP32_NAMES, K3ForCausalLM
 
 PREFIX = "language_model."
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")  # other towers of the release; skipped on load
 EXPERTS_FORMATS = ("bf16", "mxfp4")
 MXFP4_GROUP = 32
-_RELEASE_BOS, _RELEASE_PAD = 163584, 163839
 _CHECKPOINT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json")
 
 # safetensors dtype names of the dtypes openk3 reads and writes.
@@ -176,15 +176,16 @@ def layout(cfg: K3Config, experts_format: str, model: K3ForCausalLM | None = Non
 
 # ---- config files ------------------------------------------------------------------------------
 
-def _token(cfg: K3Config, key: str, default: int) -> Any:
-    """bos/pad id: from the config's metadata or wrapper, else the release's id when the vocabulary
-    holds it (None for small test vocabularies, which transformers would reject as padding_idx)."""
+def _token(cfg: K3Config, key: str) -> Any:
+    """bos/pad id: from the config's metadata or wrapper, else where K3's layout puts it for this vocabulary
+    (the top 256 ids are the reserved block, as for eos: 163584 / 163839 at the release's 163840; None for
+    vocabularies too small to hold the block)."""
     if key in cfg.extra:
         return cfg.extra[key]
     w = cfg.extra.get("_wrapper", {})
     if key in w:
         return w[key]
-    return default if default < cfg.vocab_size else None
+    return k3_special_id(cfg.vocab_size, key)
 
 
 def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str, dtype: torch.dtype,
@@ -198,8 +199,8 @@ def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str, dtype: to
     text["dtype"] = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
     if "torch_dtype" in text:
         text["torch_dtype"] = text["dtype"]
-    bos = _token(cfg, "bos_token_id", _RELEASE_BOS)
-    pad = _token(cfg, "pad_token_id", _RELEASE_PAD)
+    bos = _token(cfg, "bos_token_id")
+    pad = _token(cfg, "pad_token_id")
     if wrapper:
         kept = copy.deepcopy(cfg.extra.get("_wrapper", {}))
         for k in ("architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",

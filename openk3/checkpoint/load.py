@@ -26,7 +26,7 @@ from openk3.checkpoint.layout import (
     layout,
     meta_model,
 )
-from openk3.common import resolve_dtype
+from openk3.common import resolve_device, resolve_dtype
 from openk3.config import K3Config
 from openk3.quant.mxfp4 import E2M1_MAX, SCALE_BIAS, SCALE_NAN, unpack
 
@@ -160,7 +160,7 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
             cfg.extra.get("_wrapper", {}).pop("quantization_config", None)
         model, entries = inv.model, inv.entries
         trunk = dtype or TORCH_DTYPES[inv.headers[src[prefix + "model.embed_tokens.weight"]][0]]
-        filler = _Filler(model, cfg, trunk, torch.device(device), packed_in_memory, files.reads_owned_tensors())
+        filler = _Filler(model, cfg, trunk, resolve_device(device), packed_in_memory, files.reads_owned_tensors())
         last = {wm[src[prefix + e.name]]: i for i, e in enumerate(entries)}
         for i, e in enumerate(entries):
             name = src[prefix + e.name]

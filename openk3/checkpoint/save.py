@@ -16,6 +16,11 @@ from openk3.common import resolve_dtype
 SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
+def writes_itself(name: str) -> bool:
+    """Whether a file of this name in a checkpoint folder is one `save` writes (so no extra file may take it)."""
+    return name in ("config.json", "generation_config.json", files.INDEX) or name.endswith(".safetensors")
+
+
 def save(model, path, *, wrapper: bool | None = None, experts_format: str | None = None,
          dtype: torch.dtype | str = torch.bfloat16, max_shard_bytes: int = 5 * 2**30,
          extra_files: dict[str, str | os.PathLike] | None = None) -> None:
@@ -34,7 +39,8 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
             (`model.loaded_format`, set by `openk3.load`; MXFP4 with the source's
             `quantization_config` verbatim), "bf16" for a model built in memory.
         dtype: on-disk dtype of every tensor except the fp32 islands and MXFP4 bytes (float32 gives a
-            lossless copy of an fp32 model); a torch dtype or a name ("bf16", "float32", ...).
+            lossless copy of an fp32 model); a torch dtype or a name ("bf16", "float32", ...); None or
+            "auto" = the model's own trunk dtype.
         max_shard_bytes: above this many tensor bytes, write `model-0000i-of-0000N.safetensors`
             shards plus `model.safetensors.index.json`.
         extra_files: {file name: source path} copied into the folder inside the same atomic write
@@ -49,12 +55,14 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
         experts_format = loaded.experts_format if loaded is not None else "bf16"
     if experts_format not in EXPERTS_FORMATS:
         raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
-    dtype = resolve_dtype(dtype) or torch.bfloat16
+    dtype = resolve_dtype(dtype) or _trunk_dtype(model)  # "auto" / None: as the model holds it
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {SAVE_DTYPES}, got {dtype!r}")
     for name in extra_files or {}:
         if not name or Path(name).name != name or name in (".", ".."):
             raise ValueError(f"extra_files: {name!r} is not a plain file name")
+        if writes_itself(name):
+            raise ValueError(f"extra_files: {name!r} is a file save writes itself (configs, index, shards)")
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     cfg = getattr(model, "config", None)
@@ -137,3 +145,8 @@ class _Sources:
         if slot[2] == 0:
             del self.packs[key]
         return slot[0] if e.kind == "packed" else slot[1]
+
+
+def _trunk_dtype(model) -> torch.dtype:
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embed.weight.dtype if embed is not None else torch.bfloat16

@@ -27,17 +27,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB")
 
 
-# What `save` writes itself, and a training checkpoint's optimizer state (not part of a model checkpoint).
-REWRITTEN = {"config.json", "generation_config.json", "model.safetensors.index.json", "trainer_state.pt"}
-
-
 def carried_files(src: str) -> dict[str, str]:
     """The files of SRC that a conversion carries over unchanged: tokenizer files, chat templates, remote
     code, READMEs, ... (every plain file except the weights and what `save` rewrites)."""
     from pathlib import Path
 
+    from openk3.checkpoint.save import writes_itself
+    from openk3.train.state import STATE_FILE  # a training checkpoint's optimizer state: not a model's
+
     return {p.name: str(p) for p in sorted(Path(src).iterdir())
-            if p.is_file() and p.name not in REWRITTEN and p.suffix != ".safetensors"}
+            if p.is_file() and not writes_itself(p.name) and p.name != STATE_FILE}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -55,7 +54,7 @@ def main(args: argparse.Namespace) -> int:
     # Packed -> packed keeps the codes as they are (re-packing would be exact too, but may pick other bytes).
     # The tensors are read as stored and cast once, by `save`, to the dtype written.
     model = load(args.src, keep_packed=packed and experts == "mxfp4")
-    dtype = args.dtype or model.model.embed_tokens.weight.dtype  # auto: the trunk dtype of SRC
+    dtype = args.dtype or model.model.embed_tokens.weight.dtype  # auto: the trunk dtype of SRC (as loaded)
     save(model, args.dst, wrapper=wrapper, experts_format=experts, dtype=dtype,
          max_shard_bytes=int(args.max_shard_gb * 2**30), extra_files=carried_files(args.src))
     print(f"[convert] {args.src} -> {args.dst}: experts {experts}, "

@@ -91,7 +91,8 @@ def unpack(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
     out_shape = (*packed.shape[:-1], n_in)
     if packed.device.type == "meta":
         return torch.empty(out_shape, dtype=dtype, device="meta")
-    lo, hi = (int(v) for v in torch.aminmax(scale)) if scale.numel() else (SCALE_BIAS, SCALE_BIAS)
+    # one host read for both bounds (a device sync on GPU: this runs per expert on the packed decode path)
+    lo, hi = torch.stack(torch.aminmax(scale)).tolist() if scale.numel() else (SCALE_BIAS, SCALE_BIAS)
     if hi == SCALE_NAN:
         raise ValueError("MXFP4 scale byte 255 (E8M0 NaN) found; refusing to produce NaN weights")
     cdt = dtype if dtype in (torch.bfloat16, torch.float32, torch.float64) else torch.float32

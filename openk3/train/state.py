@@ -104,9 +104,7 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
     if tmp.exists():
         shutil.rmtree(tmp)
     try:
-        save(model, tmp, dtype=torch.float32)
-        for name, src in (extra_files or {}).items():
-            shutil.copyfile(src, tmp / name)
+        save(model, tmp, dtype=torch.float32, extra_files=extra_files)
         write_trainer_state(tmp / STATE_FILE, state)
         fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. the end of a run resumed at its last step)
