@@ -127,7 +127,18 @@ def test_load_and_save_take_dtype_names(saved, tmp_path):
         openk3.save(model, tmp_path / "x", dtype="fp8")
     with pytest.raises(ValueError, match="not a plain file name"):
         openk3.save(model, tmp_path / "x", extra_files={"../escape": str(tmp_path / "f32" / "config.json")})
+    for own in ("config.json", "generation_config.json", "model.safetensors.index.json", "model.safetensors"):
+        with pytest.raises(ValueError, match="a file save writes itself"):
+            openk3.save(model, tmp_path / "x", extra_files={own: str(tmp_path / "f32" / "config.json")})
     assert not (tmp_path / "x").exists()
+    openk3.save(model, tmp_path / "auto", dtype="auto")  # "auto": the model's own trunk dtype (float32 here)
+    assert openk3.load(tmp_path / "auto").model.embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_load_on_a_missing_device_is_a_value_error(saved):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        openk3.load(saved / "bf16", device="cuda")
 
 
 def test_warnings_of_a_command_are_one_line(tmp_path, capsys):
