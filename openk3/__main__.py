@@ -108,8 +108,24 @@ def describe(e: BaseException) -> str:
     return line
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a command's `key=value` overrides (a positional list, `openk3 train`) allowed
+    anywhere among its flags: argparse fills a positional list from its first stretch only, so the later
+    ones come back unrecognised and are appended here, in order; anything else unrecognised is the usual
+    usage error."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)
+    if args.command == "train" and isinstance(overrides, list):
+        overrides += [a for a in rest if "=" in a and not a.startswith("-")]
+        rest = [a for a in rest if not ("=" in a and not a.startswith("-"))]
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     module = importlib.import_module(f"openk3.commands.{args.command}")
     debug = os.environ.get("OPENK3_DEBUG", "") not in ("", "0")
     try:

@@ -274,17 +274,21 @@ def test_a_full_disk_while_saving_names_the_checkpoint(ref, tmp_path, monkeypatc
 # ---- D14: the command line -----------------------------------------------------------------------------
 
 def parse(argv: list[str]):
-    from openk3.__main__ import build_parser
+    from openk3.__main__ import parse_args
     from openk3.commands.train import build_config
 
-    args = build_parser().parse_args(["train", *argv])
+    args = parse_args(["train", *argv])
     return args, build_config(args)
 
 
-def test_overrides_may_follow_flags_in_any_order():
+def test_overrides_may_follow_flags_in_any_order(capsys):
     args, cfg = parse(["--preset", "nano", "--out", "X", "model.hidden_size=64", "--max-steps", "2",
                        "seq_len=16", "--dtype", "bfloat16", "optim.lr=1e-3"])
     assert args.overrides == ["model.hidden_size=64", "seq_len=16", "optim.lr=1e-3"]
+    assert parse(["seq_len=16", "--out", "X"])[0].overrides == ["seq_len=16"]
+    with pytest.raises(SystemExit):  # anything else left over stays a usage error
+        parse(["--out", "X", "seq_len=16", "--no-progress", "stray"])
+    assert "unrecognized arguments: stray" in capsys.readouterr().err
     assert (cfg.model.hidden_size, cfg.max_steps, cfg.seq_len, cfg.optim.lr, cfg.dtype) == (64, 2, 16, 1e-3, "bf16")
 
 

@@ -51,30 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "batch_size, seq_len, seed, ...) differ from the checkpoint's; the change is recorded "
                         "in OUT/train_config_history.jsonl (docs/training.md)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
+    # key=value overrides may sit anywhere among the flags: `openk3.__main__.parse_args` collects the later ones
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-3")
-    _parse_intermixed(p)
-
-
-def _parse_intermixed(p: argparse.ArgumentParser) -> None:
-    """Let `key=value` overrides sit anywhere among the flags (`a=1 --max-steps 2 b=2`). A plain
-    parse takes the `overrides` positional once, at its first stretch, and calls a later `b=2`
-    unrecognised. The top-level parser cannot parse intermixed (it has subparsers), so this parser
-    does, for the arguments the subparser action hands it; `parse_known_intermixed_args` itself calls
-    `parse_known_args` twice, which must then be the ordinary one (hence the guard)."""
-    plain = p.parse_known_args
-    inside = False
-
-    def parse_known_args(args=None, namespace=None):
-        nonlocal inside
-        if inside:
-            return plain(args, namespace)
-        inside = True
-        try:
-            return p.parse_known_intermixed_args(args, namespace)
-        finally:
-            inside = False
-
-    p.parse_known_args = parse_known_args
 
 
 def run_config(args: argparse.Namespace) -> Path | None:
