@@ -141,9 +141,9 @@ def test_load_on_a_missing_device_is_a_value_error(saved):
         openk3.load(saved / "bf16", device="cuda")
 
 
-def test_warnings_of_a_command_are_one_line(tmp_path, capsys):
+def test_warnings_of_a_command_are_one_line(tmp_path, capsys, saved):
     """An unknown config field is a warning: one `[openk3] warning:` line naming the file, not Python's
-    source-path-plus-code format."""
+    source-path-plus-code format; `info PATH` reads the config once, so warns once."""
     path = tmp_path / "config.json"
     text = openk3.config.preset("nano").to_dict()
     text["some_new_field"] = 1
@@ -152,3 +152,13 @@ def test_warnings_of_a_command_are_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("[openk3] warning: ") and "some_new_field" in err[0], err
     assert str(path) in err[0] and "UserWarning" not in err[0]
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(saved / "bf16", ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["some_new_field"] = 1
+    (ck / "config.json").write_text(json.dumps(cfg))
+    assert main(["info", str(ck)]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "some_new_field" in err[0], err

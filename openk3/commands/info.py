@@ -23,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def file_summary(path: str) -> tuple[str, dict]:
-    """(checkpoint folder, tensors and bytes by on-disk dtype) of a checkpoint or run folder, from its
-    safetensors headers, after checking it as `openk3.load` does before reading data (config, index,
+def file_summary(path: str) -> tuple[str, dict, object]:
+    """(checkpoint folder, tensors and bytes by on-disk dtype, its K3Config) of a checkpoint or run folder,
+    from its safetensors headers, after checking it as `openk3.load` does before reading data (config, index,
     every shard present and readable, every tensor the config needs with its shape and dtype).
 
     Raises ValueError (one line) for a broken checkpoint; FileNotFoundError for a missing path.
@@ -51,7 +51,7 @@ def file_summary(path: str) -> tuple[str, dict]:
     summary = {"files": len(set(inv.weight_map.values())), "tensors": len(inv.headers), "missing_shards": [],
                "experts_format": inv.experts_format, "by_dtype": by_dtype,
                "total_bytes": sum(r["bytes"] for r in by_dtype.values())}
-    return str(inv.folder), summary
+    return str(inv.folder), summary, inv.cfg
 
 
 def main(args: argparse.Namespace) -> int:
@@ -65,10 +65,7 @@ def main(args: argparse.Namespace) -> int:
     if args.path is not None:
         if args.preset or args.config:
             raise ValueError("give either PATH or --preset/--config, not both")
-        from openk3.checkpoint import read_config
-
-        folder, files = file_summary(args.path)
-        cfg, name = read_config(folder), folder
+        name, files, cfg = file_summary(args.path)  # the config read once (its warnings shown once)
     else:
         cfg, name = config_from_args(args)
     model = K3ForCausalLM.build(cfg, device="meta", dtype=torch.bfloat16)
