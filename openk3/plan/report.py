@@ -3,11 +3,10 @@ when a chart is drawn)."""
 
 from __future__ import annotations
 
-import io
 import math
 from typing import TYPE_CHECKING
 
-from openk3.fsutil import write_atomic
+from openk3.chart import new_figure, save_png
 from openk3.plan import serve
 
 if TYPE_CHECKING:
@@ -182,8 +181,6 @@ def memory_figure(r: dict, cfg, hw, spec: serve.ServeSpec) -> Figure:
     state / MLA cache stacked against context (log2 x axis, from 1K tokens to the longest context), the
     planned devices' usable and full memory as dashed lines (with the context where the stack crosses the
     usable line marked) and the planned context as a dotted line."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     top = max(cfg.max_position_embeddings, spec.context)
@@ -194,10 +191,7 @@ def memory_figure(r: dict, cfg, hw, spec: serve.ServeSpec) -> Figure:
     totals = [sum(row[key] for key, _, _ in MEMORY_SERIES) for row in rows]
     copies = lay["tp"] if lay and lay["attention"] == "tp" else 1
 
-    # A bare Figure on the Agg canvas, not pyplot: no display is needed and nothing global is touched
-    # (no backend switch, no figure left open in pyplot's registry to close).
-    fig = Figure(figsize=(10.5, 5.4), dpi=150, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(10.5, 5.4, 150)
     ax = fig.add_subplot()
     labels = [f"{label} (x{copies} TP copies)" if key == "mla_cache" and copies > 1 else label
               for key, label, _ in MEMORY_SERIES]
@@ -247,8 +241,5 @@ def memory_figure(r: dict, cfg, hw, spec: serve.ServeSpec) -> Figure:
 
 
 def plot_memory(r: dict, cfg, hw, spec: serve.ServeSpec, path: str) -> None:
-    """Write `memory_figure(...)` to `path` as a PNG: rendered in memory, then written to a temporary file
-    and moved into place with os.replace, so `path` is never left half-written."""
-    buf = io.BytesIO()
-    memory_figure(r, cfg, hw, spec).savefig(buf, format="png")
-    write_atomic(path, buf.getvalue())
+    """Write `memory_figure(...)` to `path` as a PNG, atomically (`openk3.chart.save_png`)."""
+    save_png(memory_figure(r, cfg, hw, spec), path)

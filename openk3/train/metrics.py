@@ -11,7 +11,6 @@ and everything logged after the checkpoint being resumed.
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import math
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from openk3.chart import new_figure, save_png
 from openk3.fsutil import write_atomic
 
 if TYPE_CHECKING:
@@ -119,15 +119,9 @@ def loss_figure(train: dict[int, float], val: dict[int, float], *, width: int = 
     """The loss chart as a matplotlib Figure (`width` x `height` pixels at `dpi`): train loss against step
     (a faint raw line plus its moving average once there are enough steps) and validation loss (line +
     dots), titled, with axis labels and a legend. Non-finite values are left out."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    # A bare Figure on the Agg canvas, not pyplot: no display is needed (CI, servers), the caller's
-    # matplotlib backend is left alone, and nothing is kept in pyplot's figure registry, so there is no
-    # figure to close and repeated saves during a run do not accumulate.
-    fig = Figure(figsize=(width / dpi, height / dpi), dpi=dpi, layout="constrained")
-    FigureCanvasAgg(fig)
+    fig = new_figure(width / dpi, height / dpi, dpi)
     ax = fig.add_subplot()
     pts = [(s, v) for s, v in sorted(train.items()) if math.isfinite(v)]
     vpts = [(s, v) for s, v in sorted(val.items()) if math.isfinite(v)]
@@ -157,13 +151,6 @@ def loss_figure(train: dict[int, float], val: dict[int, float], *, width: int = 
     ax.spines[["top", "right"]].set_visible(False)
     ax.legend(loc="best", framealpha=0.9, edgecolor="0.85")  # the corner that hides the least data
     return fig
-
-
-def save_png(fig: Figure, path: str) -> None:
-    """Render `fig` to PNG in memory, then write it atomically (a failed render leaves `path` as it was)."""
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    write_atomic(path, buf.getvalue())
 
 
 def plot_losses(train: dict[int, float], val: dict[int, float], path: str, *, width: int = 640,
