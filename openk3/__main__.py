@@ -31,6 +31,7 @@ COMMANDS = {
     "parse": "parse a generated completion (stdin) into reasoning, content and tool calls",
     "generate": "continue text prompts with a checkpoint (streams one prompt; batches several)",
     "chat": "chat with a checkpoint in the XTML format: thinking, multi-turn, tool calls (stdin lines)",
+    "serve": "OpenAI-compatible HTTP server over a checkpoint: chat and completions, streaming, tool calls",
     "plan": "memory, devices, speed and $ of serving/training a config on real hardware; --audit of K3 claims",
 }
 

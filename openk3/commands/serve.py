@@ -1,0 +1,101 @@
+"""`openk3 serve MODEL [--host 127.0.0.1] [--port 8000] [--served-model-name NAME] [--api-key KEY] ...`
+
+An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one continuous-batching engine: /v1/models,
+/v1/chat/completions, /v1/completions, /health, /metrics (docs/serving.md). MODEL is a checkpoint
+folder or a training run folder, as `openk3 generate --model`. It listens on 127.0.0.1 unless --host
+says otherwise: other machines can reach it only when asked for explicitly.
+
+    openk3 serve runs/nano --served-model-name nano
+    openk3 serve CKPT --host 0.0.0.0 --port 8000 --api-key "$KEY" --max-num-seqs 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+from openk3.commands.common import add_dtype_argument
+
+log = logging.getLogger("openk3.serve")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="checkpoint folder, or a training run folder (its checkpoints/latest is used)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 = every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists (default: MODEL's folder name)")
+    p.add_argument("--api-key", default=os.environ.get("OPENK3_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $OPENK3_API_KEY; unset = no check)")
+    p.add_argument("--max-num-seqs", type=int, default=16, metavar="N", help="requests decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests admitted beyond the running ones; more are answered 429 (default 256)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="prompt + completion tokens per request (default: the config's max_position_embeddings)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer folder (default: the checkpoint's own tiktoken.model)")
+    add_dtype_argument(p, "auto", "compute dtype of the weights (auto: float32 on CPU, as stored on a GPU)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode step (slow first requests, then fewer ms/token; docs/benchmarks.md)")
+    p.add_argument("--keep-packed", action="store_true", help="keep MXFP4 experts packed in memory")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level (default info)")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key:
+        raise ValueError("--api-key is empty; give a key or leave it out")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_server(args: argparse.Namespace):
+    """The uvicorn.Server for these arguments, model loaded, not yet listening (main() runs it)."""
+    import uvicorn
+
+    from openk3.common import setup_cpu
+    from openk3.infer.llm import LLM
+    from openk3.serve import create_app
+
+    _check(args)
+    setup_cpu(args.threads)
+    llm = LLM(args.model, args.tokenizer, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, compile=args.compile, keep_packed=args.keep_packed)
+    name = args.served_model_name or Path(args.model).resolve().name
+    app = create_app(llm, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    if not _loopback(args.host):
+        log.warning("listening on %s: reachable from other machines%s", args.host,
+                    "" if args.api_key else " by anyone (no --api-key)")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def main(args: argparse.Namespace) -> int:
+    server = build_server(args)
+    print(f"[serve] {server.config.app.state.openk3.model_name} on http://{args.host}:{args.port}/v1 "
+          "(Ctrl-C stops)", file=sys.stderr, flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,15 @@
+"""`openk3 serve`: an OpenAI-compatible HTTP server over one continuous-batching engine (docs/serving.md).
+
+    app.py          create_app: routes, API key, lifespan (engine thread)
+    loop.py         EngineLoop: the one thread that drives the Engine; bounded admission
+    outputs.py      per-request collection of engine outputs, SSE framing, disconnect handling
+    chat.py         /v1/chat/completions: XTML render, parsing on token ids, content stop strings
+    completions.py  /v1/completions: text or token-id prompts
+    protocol.py     request fields -> checked values and SamplingParams
+    errors.py       the OpenAI error envelope and the exception handlers
+    metrics.py      Prometheus text for /metrics
+"""
+
+from openk3.serve.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,135 @@
+"""`create_app`: the FastAPI app of `openk3 serve` (an OpenAI-compatible API over one engine).
+
+    app = create_app(openk3.LLM("runs/nano"), served_model_name="nano", api_key=None)
+    uvicorn.run(app, host="127.0.0.1", port=8000)
+
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics.
+`/` is not served yet (404). With `api_key`, every /v1/* route needs `Authorization: Bearer KEY`;
+/health and /metrics stay open (probes and scrapers). The engine thread starts with the app's lifespan
+and stops with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from openk3.infer.engine import Engine
+from openk3.serve import chat, completions
+from openk3.serve.errors import APIError, bad_request, install_handlers
+from openk3.serve.loop import EngineLoop
+from openk3.serve.metrics import Metrics
+from openk3.serve.outputs import unless_disconnected
+from openk3.serve.protocol import parse_body
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    loop: EngineLoop
+    metrics: Metrics
+    model_name: str
+    api_key: str | None
+    created: int
+
+    @property
+    def tok(self):
+        return self.engine.tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.cfg.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+
+def create_app(llm_or_engine, served_model_name: str = "openk3", api_key: str | None = None,
+               max_queue: int = 256) -> FastAPI:
+    """The app over an `openk3.LLM` or an `Engine` (with a tokenizer).
+
+    max_queue: requests admitted beyond the engine's `max_num_seqs` running ones; one more is a 429.
+    """
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    if not isinstance(engine, Engine):
+        raise TypeError(f"create_app needs an openk3.LLM or an Engine, got {type(llm_or_engine).__name__}")
+    if engine.tok is None:
+        raise ValueError("the server needs a tokenizer: give the LLM or Engine one")
+    if not served_model_name:
+        raise ValueError("served_model_name must not be empty")
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must not be empty (None disables the check)")
+    metrics = Metrics(served_model_name)
+    state = ServerState(engine, EngineLoop(engine, metrics, max_queue=max_queue), metrics, served_model_name,
+                        api_key, int(time.time()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        try:
+            yield
+        finally:
+            state.loop.stop()
+
+    app = FastAPI(title="openk3", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.openk3 = state
+    install_handlers(app)
+
+    def authorize(request: Request) -> None:
+        """The API key check of every /v1 route (a plain call, not HTTP middleware: Starlette's
+        BaseHTTPMiddleware wraps streamed bodies and would get between a disconnect and the generator)."""
+        if state.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), state.api_key.encode()):
+            what = "missing" if not given.strip() else "wrong"
+            raise APIError(401, f"{what} API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.loop.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "openk3", "max_model_len": state.max_model_len}]}
+
+    async def run(request: Request, endpoint) -> Response:
+        authorize(request)
+        body = parse_body(await request.body())
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise bad_request(f"model must be a string naming the served model ({state.model_name!r})",
+                              param="model")
+        if model != state.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {state.model_name!r}",
+                           param="model", code="model_not_found")
+        job = endpoint.prepare(state, body)
+        if job["common"].stream:
+            return StreamingResponse(await endpoint.stream(state, job, model), media_type="text/event-stream",
+                                     headers=_SSE_HEADERS)
+        result = await unless_disconnected(request, endpoint.complete(state, job, model))
+        return Response(status_code=499) if result is None else JSONResponse(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await run(request, chat)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request) -> Response:
+        return await run(request, completions)
+
+    return app

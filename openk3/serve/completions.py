@@ -1,0 +1,114 @@
+"""`POST /v1/completions`: raw prompts (no chat template), for evaluation and RL.
+
+`prompt` is a string, a list of token ids, or a list of either (a batch); each prompt gets `n` choices,
+numbered prompt-major (choice `i * n + j` is prompt i's j-th). Stop strings and stop token ids are the
+engine's (applied to the decoded text; the stop string itself is not returned). `echo` puts the prompt's
+text before its completion.
+"""
+
+from __future__ import annotations
+
+import time
+
+from openk3.serve import protocol
+from openk3.serve.errors import APIError, bad_request
+from openk3.serve.outputs import Collector, EngineFailed, error_frame, new_id, sse
+
+FIELDS = protocol.SAMPLING_FIELDS + ("prompt", "echo", "suffix", "best_of")
+
+
+def _prompts(body: dict, state) -> list[list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
+            isinstance(i, int) and not isinstance(i, bool) for i in prompt)):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt:
+        batch = prompt
+    else:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those",
+                          param="prompt")
+    out = []
+    for k, p in enumerate(batch):
+        if isinstance(p, str) and p:
+            out.append(state.tok.encode(p))
+        elif isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool)
+                                               and 0 <= i < state.vocab_size for i in p):
+            out.append(list(p))
+        else:
+            raise bad_request(f"prompt[{k}] must be a non-empty string or a list of token ids in "
+                              f"0..{state.vocab_size - 1}", param="prompt")
+    return out
+
+
+def prepare(state, body: dict) -> dict:
+    protocol.check_fields(body, FIELDS)
+    if body.get("suffix") is not None:
+        raise bad_request("suffix is not supported (no fill-in-the-middle)", param="suffix", code="unsupported_field")
+    common = protocol.common(body, state.vocab_size)
+    if body.get("best_of") not in (None, common.n):
+        raise bad_request(f"best_of must equal n ({common.n}) when given, got {body['best_of']!r}", param="best_of")
+    prompts = _prompts(body, state)
+    params = [common.capped(len(p), state.max_model_len, "prompt") for p in prompts]
+    echo = protocol.boolean(body, "echo", False)
+    requests = [(p, sp) for p, base in zip(prompts, params, strict=True)
+                for sp in protocol.choice_params(base, common.n)]
+    return {"common": common, "prompts": prompts, "requests": requests,
+            "echo": [state.tok.decode(p) if echo else "" for p in prompts]}
+
+
+def _start(state, job: dict) -> Collector:
+    common = job["common"]
+    return Collector(state.loop, job["requests"], stop_token_ids=common.stop_token_ids, ignore_eos=common.ignore_eos)
+
+
+def _usage(job: dict, completion_tokens: int) -> dict:
+    return protocol.usage(sum(len(p) for p in job["prompts"]), completion_tokens)
+
+
+async def complete(state, job: dict, model: str) -> dict:
+    collector = _start(state, job)
+    n = job["common"].n
+    finals = {}
+    try:
+        async for k, out in collector.outputs():
+            if out.finished:
+                finals[k] = out
+    except EngineFailed as e:
+        raise APIError(500, str(e)) from None
+    finally:
+        collector.close()
+    choices = [{"index": k, "text": job["echo"][k // n] + finals[k].text, "logprobs": None,
+                "finish_reason": finals[k].finish_reason} for k in range(len(job["requests"]))]
+    return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": _usage(job, sum(len(o.token_ids) for o in finals.values()))}
+
+
+async def stream(state, job: dict, model: str):
+    collector = _start(state, job)
+    n = job["common"].n
+    head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model}
+
+    def chunk(k: int, text: str, finish: str | None = None) -> str:
+        return sse({**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": finish}]})
+
+    async def body():
+        generated = 0
+        try:
+            for k in range(len(job["requests"])):
+                if job["echo"][k // n]:
+                    yield chunk(k, job["echo"][k // n])
+            try:
+                async for k, out in collector.outputs():
+                    generated += len(out.delta_token_ids)
+                    if out.delta_text or out.finished:
+                        yield chunk(k, out.delta_text, out.finish_reason if out.finished else None)
+            except EngineFailed as e:
+                yield error_frame(str(e))
+            else:
+                if job["common"].include_usage:
+                    yield sse({**head, "choices": [], "usage": _usage(job, generated)})
+            yield sse("[DONE]")
+        finally:  # also on a client disconnect: free the slots now
+            collector.close()
+
+    return body()

@@ -1,0 +1,509 @@
+"""`openk3 serve`: a real uvicorn on 127.0.0.1 (a free port, a background thread) driven by the official
+`openai` client and raw httpx, over the nano model and a 512-id byte tokenizer built here.
+
+Random weights cannot produce reasoning, content and tool calls on demand, so some requests are
+scripted: a prompt containing `#script:NAME#` has its sampled ids replaced by the ids of SCRIPTS[NAME]
+(the model still runs every step; only `Engine._sample` is wrapped). The parser on token ids is what
+these requests exercise. Everything else runs the real model.
+
+Every server is stopped at the end of its fixture and its threads joined (`served`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+import openk3
+from openk3.infer.engine import Engine
+from openk3.infer.llm import LLM
+from openk3.serve import create_app
+from openk3.tokenizer import Tokenizer
+
+MODEL = "nano-test"
+
+
+# ---- the model, the tokenizer, scripted outputs ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer({bytes([b]): b for b in range(256)})  # 256 bytes + 256 specials = 512
+
+
+def _ids(tok, *parts) -> list[int]:
+    """Text parts as byte ids; a part that is a special token's name becomes its control id."""
+    out: list[int] = []
+    for p in parts:
+        out += [tok.special_ids[p]] if p in tok.special_ids else list(p.encode())
+    return out
+
+
+def scripts(tok) -> dict[str, list[int]]:
+    O, C, S = "<|open|>", "<|close|>", "<|sep|>"
+    end = (C, "message", S, "<|end_of_msg|>")
+    return {
+        # next-agents-serving.md §3.4: reasoning, content, one tool call
+        "tool": _ids(tok, "I should read it.", C, "think", S, O, "response", S, "Let me check.", C, "response", S,
+                     O, "tools", S, O, 'call tool="ReadFile" index="1"', S, O, 'argument key="path" type="string"',
+                     S, "notes.txt", C, "argument", S, C, "call", S, C, "tools", S, *end),
+        "text": _ids(tok, "hmm", C, "think", S, O, "response", S, "Hello world. Bye", C, "response", S, *end),
+        "long": _ids(tok, "a"),  # "a" forever (the last id repeats)
+    }
+
+
+def script_engine(engine: Engine, tok) -> Engine:
+    table = scripts(tok)
+    original = engine._sample
+
+    def script_of(req):
+        if not hasattr(req, "script"):
+            raw = bytes(i for i in req.prompt if i < 256)
+            start = raw.rfind(b"#script:")
+            name = raw[start + 8:raw.index(b"#", start + 8)].decode() if start >= 0 else None
+            req.script = table[name] if name else None
+        return req.script
+
+    def sample(reqs, logits):
+        toks = original(reqs, logits)
+        for i, req in enumerate(reqs):
+            script = script_of(req)
+            if script is not None:
+                toks[i] = script[min(len(req.out), len(script) - 1)]
+        return toks
+
+    engine._sample = sample
+    return engine
+
+
+# ---- a live server ----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def served(app):
+    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL; stops it and joins the thread."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive()
+        engine_thread = app.state.openk3.loop._thread
+        assert engine_thread is None or not engine_thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def server(model, tok):
+    llm = LLM(model, tok, max_num_seqs=4)
+    script_engine(llm.engine, tok)
+    app = create_app(llm, served_model_name=MODEL)
+    with served(app) as url:
+        yield url, app.state.openk3
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    url, _ = server
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE body (JSON decoded; the final "[DONE]" kept as a string)."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# ---- routes ------------------------------------------------------------------------------------------
+
+def test_health_models_metrics_and_no_page_yet(server, client):
+    url, state = server
+    assert httpx.get(url + "/health").status_code == 200
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].owned_by == "openk3"
+    assert models[0].model_extra["max_model_len"] == state.max_model_len
+    text = httpx.get(url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "generation_tokens_total",
+                 "generation_tokens_per_second", "time_to_first_token_seconds_count"):
+        assert f"openk3:{name}{{" in text
+    r = httpx.get(url + "/")  # the web page is not part of this slice
+    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---- chat ------------------------------------------------------------------------------------------
+
+def test_chat_tool_call_non_stream(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:tool# read notes.txt"), max_tokens=200)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    msg = choice.message
+    assert msg.content == "Let me check."
+    assert msg.model_extra["reasoning_content"] == msg.model_extra["reasoning"] == "I should read it."
+    (call,) = msg.tool_calls
+    assert call.type == "function" and call.function.name == "ReadFile"
+    assert json.loads(call.function.arguments) == {"path": "notes.txt"}
+    assert call.id.startswith("call_") and len(call.id) == 5 + 24
+    script = scripts(openk3.tokenizer.Tokenizer({bytes([b]): b for b in range(256)}))["tool"]
+    assert r.usage.completion_tokens == len(script)  # the end-of-message id included, as the engine counts
+    assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + len(script)
+    assert r.usage.completion_tokens_details.reasoning_tokens == len(b"I should read it.") + 1
+
+
+def test_chat_stream_chunk_sequence(server):
+    url, _ = server
+    body = {"model": MODEL, "messages": user("#script:tool#"), "stream": True, "max_tokens": 200,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0] == {"role": "assistant", "content": ""}
+    kinds = []
+    for d in deltas[1:-1]:
+        kind = "reasoning" if "reasoning" in d else "content" if "content" in d else "tool_calls"
+        if not kinds or kinds[-1] != kind:
+            kinds.append(kind)
+    assert kinds == ["reasoning", "content", "tool_calls"]  # in this order, each as one run
+    reasoning = [d for d in deltas if "reasoning" in d]
+    assert all(d["reasoning"] == d["reasoning_content"] for d in reasoning)
+    assert "".join(d["reasoning"] for d in reasoning) == "I should read it."
+    assert "".join(d["content"] for d in deltas if "content" in d) == "Let me check."
+    calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert len(calls) == 1 and len(calls[0]) == 1  # one whole call in one delta
+    call = calls[0][0]
+    assert call["index"] == 0 and call["function"] == {"name": "ReadFile", "arguments": '{"path":"notes.txt"}'}
+    finish = chunks[-2]["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(scripts_tok()["tool"])
+
+
+def scripts_tok():
+    return scripts(Tokenizer({bytes([b]): b for b in range(256)}))
+
+
+def test_chat_stream_through_the_sdk_accumulates_the_call(client):
+    with client.chat.completions.stream(model=MODEL, messages=user("#script:tool#"), max_tokens=200) as s:
+        final = s.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    assert choice.message.tool_calls[0].function.arguments == '{"path":"notes.txt"}'
+
+
+def test_chat_stream_equals_non_stream_under_greedy(client):
+    kw = {"model": MODEL, "messages": user("hello"), "max_tokens": 24, "temperature": 0}
+    whole = client.chat.completions.create(**kw)
+    parts = {"reasoning": "", "content": ""}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            d = chunk.choices[0].delta
+            parts["content"] += d.content or ""
+            parts["reasoning"] += (d.model_extra or {}).get("reasoning") or ""
+            finish = chunk.choices[0].finish_reason or finish
+    msg = whole.choices[0].message
+    assert parts["content"] == (msg.content or "")
+    assert parts["reasoning"] == (msg.model_extra.get("reasoning") or "")
+    assert finish == whole.choices[0].finish_reason
+
+
+def test_max_tokens_is_length_and_an_open_call_is_not_delivered(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:long#"), max_completion_tokens=7)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    assert r.choices[0].message.model_extra["reasoning"] == "a" * 7
+    cut = len(scripts_tok()["tool"]) - 23  # the argument closed, the call still open
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=cut)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.tool_calls is None and c.message.content == "Let me check."
+
+
+def test_stop_string_applies_to_content_only(client):
+    # "hmm" is reasoning: a stop string matching it does not end the answer; "world" in the content does
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:text#"), stop=["world", "hm"],
+                                       max_tokens=100)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.message.content == "Hello " and c.message.model_extra["reasoning"] == "hmm"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("#script:text#"), stop="o w",
+                                                 max_tokens=100, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Hell"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n2_effort_thinking_and_developer_role(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:long#"), n=2, max_tokens=5)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 10
+    assert all(c.finish_reason == "length" and c.message.model_extra["reasoning"] == "aaaaa" for c in r.choices)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("hi"), n=2, max_tokens=4, seed=3,
+                                                 stream=True))
+    assert sorted(ch.choices[0].index for ch in chunks if ch.choices[0].finish_reason) == [0, 1]
+
+    def prompt_tokens(**kw) -> int:
+        return client.chat.completions.create(model=MODEL, max_tokens=1, **kw).usage.prompt_tokens
+
+    msgs = [{"role": "developer", "content": "be brief"}, *user("hi")]
+    low = prompt_tokens(messages=msgs, reasoning_effort="low")
+    # thinking_effort is the same option under K3's name; "max" renders as many tokens as "low"
+    assert prompt_tokens(messages=msgs, extra_body={"thinking_effort": "max"}) == low
+    off = prompt_tokens(messages=msgs, extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert off < low  # no thinking-effort message, response channel opened
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=msgs, reasoning_effort="medium", max_tokens=1)
+    assert "medium" in e.value.body["message"]
+
+
+def test_history_with_reasoning_or_reasoning_content_renders_the_same(client):
+    def usage_with(field: str) -> int:
+        msgs = [*user("q"), {"role": "assistant", "content": "a", field: "because"}, *user("q2")]
+        return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1).usage.prompt_tokens
+
+    assert usage_with("reasoning") == usage_with("reasoning_content")
+
+
+# ---- completions -------------------------------------------------------------------------------------
+
+def test_completions_text_and_token_ids(client, tok):
+    r = client.completions.create(model=MODEL, prompt="def ", max_tokens=6, temperature=0)
+    same = client.completions.create(model=MODEL, prompt=list(b"def "), max_tokens=6, temperature=0)
+    assert r.object == "text_completion" and r.choices[0].text == same.choices[0].text
+    assert r.usage.prompt_tokens == 4 and r.usage.completion_tokens <= 6
+    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 6
+    batch = client.completions.create(model=MODEL, prompt=["ab", [1, 2, 3]], max_tokens=3, n=2, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3] and batch.usage.prompt_tokens == 5
+    assert batch.choices[0].text == batch.choices[1].text  # greedy: both choices alike
+    echoed = client.completions.create(model=MODEL, prompt="def ", max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == "def " + r.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="def ", max_tokens=6, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+
+
+def test_completions_stop_string_and_length(client):
+    r = client.completions.create(model=MODEL, prompt="#script:text#", max_tokens=100, stop="world")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.endswith("Hello ")
+    r = client.completions.create(model=MODEL, prompt="#script:long#", max_tokens=9)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text == "a" * 9 and r.usage.completion_tokens == 9
+
+
+# ---- batching, cancellation, admission -------------------------------------------------------------------
+
+def test_concurrent_requests_share_the_batch(server, client):
+    _, state = server
+    state.metrics.peak_running = 0
+    results: list = []
+
+    def one(k: int) -> None:
+        results.append(client.completions.create(model=MODEL, prompt=f"#script:long# {k}", max_tokens=60))
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 4 and all(r.choices[0].text == "a" * 60 for r in results)
+    assert state.metrics.peak_running > 1
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    _, state = server
+    cancelled, generated = state.metrics.cancelled, state.engine.stats["generation_tokens"]
+    stream = client.chat.completions.create(model=MODEL, messages=user("#script:long#"), max_tokens=3000,
+                                            stream=True)
+    for k, _chunk in enumerate(stream):
+        if k == 5:
+            break
+    assert state.loop.in_flight() == 1
+    stream.close()
+    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=5)
+    assert state.metrics.cancelled == cancelled + 1
+    assert state.engine.stats["generation_tokens"] - generated < 3000  # stopped, not run to its end
+
+
+def test_disconnect_before_a_non_streamed_answer_frees_the_slot(server):
+    url, state = server
+    cancelled = state.metrics.cancelled
+    body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=5)
+    assert state.metrics.cancelled == cancelled + 1
+
+
+def test_engine_failure_mid_stream(model, tok):
+    engine = script_engine(Engine(model, tok, max_num_seqs=2), tok)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("device lost")
+        return step()
+
+    engine.step = failing_step
+    app = create_app(engine, served_model_name=MODEL)
+    body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 50, "stream": True}
+    with served(app) as url:
+        with httpx.stream("POST", url + "/v1/completions", json=body) as r:
+            events = sse_events(r)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert "device lost" in events[-2]["error"]["message"] and events[-2]["error"]["type"] == "server_error"
+        assert httpx.get(url + "/health").status_code == 503
+        _envelope(httpx.post(url + "/v1/completions", json={**body, "stream": False}), 503, code="engine_unavailable")
+
+
+def test_full_queue_is_429(model, tok):
+    engine = script_engine(Engine(model, tok, max_num_seqs=1), tok)
+    app = create_app(engine, served_model_name=MODEL, max_queue=1)
+    state = app.state.openk3
+    body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000, "stream": True}
+    with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as running, \
+                http.stream("POST", "/v1/completions", json=body) as waiting:
+            lines = running.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)
+            assert running.status_code == waiting.status_code == 200
+            wait_until(lambda: len(engine.running) == 1 and len(engine.waiting) == 1)
+            r = http.post("/v1/completions", json={**body, "stream": False})
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
+        wait_until(lambda: state.loop.in_flight() == 0, timeout=5)  # both streams closed: both freed
+        assert state.metrics.rejected["queue_full"] == 1
+        assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
+
+
+# ---- errors and auth ---------------------------------------------------------------------------------------
+
+def _envelope(r: httpx.Response, status: int, param=None, code=None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["param"] == param and (code is None or body["error"]["code"] == code), body
+    return body["error"]
+
+
+def test_every_error_is_an_envelope(server):
+    url, state = server
+    chat = url + "/v1/chat/completions"
+    ok = {"model": MODEL, "messages": user("hi"), "max_tokens": 2}
+    assert httpx.post(chat, json=ok).status_code == 200
+    _envelope(httpx.post(chat, content=b"{not json"), 400, code="invalid_json")
+    _envelope(httpx.post(chat, content=b"\xff\xfe"), 400, code="invalid_json")
+    _envelope(httpx.post(chat, json=[1, 2]), 400)
+    _envelope(httpx.post(chat, json={**ok, "temperature": -1}), 400, param="temperature")
+    _envelope(httpx.post(chat, json={**ok, "n": 0}), 400, param="n")
+    _envelope(httpx.post(chat, json={**ok, "max_tokens": "9"}), 400, param="max_tokens")
+    _envelope(httpx.post(chat, json={**ok, "stop": ["a"] * 5}), 400, param="stop")
+    _envelope(httpx.post(chat, json={**ok, "messages": []}), 400, param="messages")
+    _envelope(httpx.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400, param="messages")
+    image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
+    _envelope(httpx.post(chat, json={**ok, "messages": [{"role": "user", "content": image}]}), 400, param="messages")
+    _envelope(httpx.post(chat, json={**ok, "frobnicate": 1}), 400, param="frobnicate", code="unsupported_field")
+    for field, value in (("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
+                         ("frequency_penalty", 1), ("logit_bias", {"1": 5})):
+        err = _envelope(httpx.post(chat, json={**ok, field: value}), 400, param=field, code="unsupported_field")
+        assert "not supported yet" in err["message"]
+    assert httpx.post(chat, json={**ok, "presence_penalty": 0, "logprobs": False}).status_code == 200
+    _envelope(httpx.post(chat, json={**ok, "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400,
+              param="tool_choice")
+    _envelope(httpx.post(chat, json={**ok, "model": "gpt-9"}), 404, param="model", code="model_not_found")
+    _envelope(httpx.post(chat, json={k: v for k, v in ok.items() if k != "model"}), 400, param="model")
+    long = state.max_model_len
+    _envelope(httpx.post(chat, json={**ok, "max_tokens": long}), 400, param="messages",
+              code="context_length_exceeded")
+    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * long}), 400,
+              param="prompt", code="context_length_exceeded")
+    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [512]}), 400, param="prompt")
+    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400,
+              param="suffix")
+    _envelope(httpx.post(url + "/v1/nothing", json=ok), 404)
+    _envelope(httpx.get(chat), 405)
+
+
+def test_sdk_error_classes(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=user("hi"))
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=user("hi"), logprobs=True)
+    assert e.value.body["param"] == "logprobs"
+
+
+def test_api_key(model, tok):
+    app = create_app(Engine(model, tok, max_num_seqs=1), served_model_name=MODEL, api_key="sekrit")
+    with served(app) as url:
+        err = _envelope(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
+        assert err["type"] == "authentication_error" and "missing" in err["message"]
+        bad = {"Authorization": "Bearer wrong"}
+        _envelope(httpx.post(url + "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "a"}), 401,
+                  code="invalid_api_key")
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        with openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0) as c:
+            assert c.completions.create(model=MODEL, prompt="a", max_tokens=2).usage.completion_tokens <= 2
+        with openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0) as c, \
+                pytest.raises(openai.AuthenticationError):
+            c.models.list()
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+
+def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
+    from openk3.commands import serve as cmd
+
+    ckpt = tmp_path / "ckpt"
+    openk3.save(model, ckpt, dtype=torch.float32)
+    tok.save(str(ckpt))
+    parser = argparse.ArgumentParser()
+    cmd.add_arguments(parser)
+    args = parser.parse_args([str(ckpt), "--port", "0", "--max-num-seqs", "2", "--max-model-len", "64",
+                              "--api-key", "k"])
+    assert args.host == "127.0.0.1"  # loopback unless asked
+    server = cmd.build_server(args)
+    app = server.config.app
+    with served(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as c:
+        (m,) = c.models.list().data
+        assert m.id == "ckpt" and m.model_extra["max_model_len"] == 64
+        assert app.state.openk3.engine.max_num_seqs == 2
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        cmd.build_server(parser.parse_args([str(ckpt), "--max-num-seqs", "0"]))
