@@ -2,9 +2,8 @@
 `openai` client and raw httpx, over the nano model and a 512-id byte tokenizer built here.
 
 Random weights cannot produce reasoning, content and tool calls on demand, so some requests are
-scripted: a prompt containing `#script:NAME#` has its sampled ids replaced by the ids of SCRIPTS[NAME]
-(the model still runs every step; only `Engine._sample` is wrapped). The parser on token ids is what
-these requests exercise. Everything else runs the real model.
+scripted (`#script:NAME#` in the prompt; tests/serve_helpers.py, shared with tests/test_web.py). The
+parser on token ids is what these requests exercise. Everything else runs the real model.
 
 Every server is stopped at the end of its fixture and its threads joined (`served`).
 """
@@ -12,110 +11,33 @@ Every server is stopped at the end of its fixture and its threads joined (`serve
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import socket
 import threading
-import time
 
 import httpx
 import openai
 import pytest
 import torch
-import uvicorn
+from serve_helpers import byte_tokenizer, nano_model, script_engine, scripts, served, wait_until
 
 import openk3
 from openk3.infer.engine import Engine
 from openk3.infer.llm import LLM
 from openk3.serve import create_app
-from openk3.tokenizer import Tokenizer
 
 MODEL = "nano-test"
 
 
-# ---- the model, the tokenizer, scripted outputs ----------------------------------------------------
+# ---- the model, the tokenizer, a live server -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0).eval()
+    return nano_model()
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return Tokenizer({bytes([b]): b for b in range(256)})  # 256 bytes + 256 specials = 512
-
-
-def _ids(tok, *parts) -> list[int]:
-    """Text parts as byte ids; a part that is a special token's name becomes its control id."""
-    out: list[int] = []
-    for p in parts:
-        out += [tok.special_ids[p]] if p in tok.special_ids else list(p.encode())
-    return out
-
-
-def scripts(tok) -> dict[str, list[int]]:
-    O, C, S = "<|open|>", "<|close|>", "<|sep|>"
-    end = (C, "message", S, "<|end_of_msg|>")
-    return {
-        # next-agents-serving.md §3.4: reasoning, content, one tool call
-        "tool": _ids(tok, "I should read it.", C, "think", S, O, "response", S, "Let me check.", C, "response", S,
-                     O, "tools", S, O, 'call tool="ReadFile" index="1"', S, O, 'argument key="path" type="string"',
-                     S, "notes.txt", C, "argument", S, C, "call", S, C, "tools", S, *end),
-        "text": _ids(tok, "hmm", C, "think", S, O, "response", S, "Hello world. Bye", C, "response", S, *end),
-        "long": _ids(tok, "a"),  # "a" forever (the last id repeats)
-    }
-
-
-def script_engine(engine: Engine, tok) -> Engine:
-    table = scripts(tok)
-    original = engine._sample
-
-    def script_of(req):
-        if not hasattr(req, "script"):
-            raw = bytes(i for i in req.prompt if i < 256)
-            start = raw.rfind(b"#script:")
-            name = raw[start + 8:raw.index(b"#", start + 8)].decode() if start >= 0 else None
-            req.script = table[name] if name else None
-        return req.script
-
-    def sample(reqs, logits):
-        toks = original(reqs, logits)
-        for i, req in enumerate(reqs):
-            script = script_of(req)
-            if script is not None:
-                toks[i] = script[min(len(req.out), len(script) - 1)]
-        return toks
-
-    engine._sample = sample
-    return engine
-
-
-# ---- a live server ----------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def served(app):
-    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL; stops it and joins the thread."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive()
-        engine_thread = app.state.openk3.loop._thread
-        assert engine_thread is None or not engine_thread.is_alive()
+    return byte_tokenizer()
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +70,9 @@ def sse_events(response: httpx.Response) -> list:
     return out
 
 
-def wait_until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 # ---- routes ------------------------------------------------------------------------------------------
 
-def test_health_models_metrics_and_no_page_yet(server, client):
+def test_health_models_metrics_and_the_page(server, client):
     url, state = server
     assert httpx.get(url + "/health").status_code == 200
     models = client.models.list().data
@@ -167,8 +82,15 @@ def test_health_models_metrics_and_no_page_yet(server, client):
     for name in ("num_requests_running", "num_requests_waiting", "generation_tokens_total",
                  "generation_tokens_per_second", "time_to_first_token_seconds_count"):
         assert f"openk3:{name}{{" in text
-    r = httpx.get(url + "/")  # the web page is not part of this slice
-    assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    page = httpx.get(url + "/")  # the web chat page (tests/test_web.py drives it in a browser)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "connect-src 'self'" in page.headers["content-security-policy"] and "/static/chat.js" in page.text
+    for name, kind in (("chat.js", "text/javascript"), ("chat.css", "text/css"), ("favicon.svg", "image/svg+xml")):
+        r = httpx.get(f"{url}/static/{name}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind) and r.content
+    for path in ("/static/index.html", "/static/../app.py", "/static/nothing.js", "/nothing"):
+        r = httpx.get(url + path)  # only the listed files: nothing else of the package is reachable
+        assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
 # ---- chat ------------------------------------------------------------------------------------------
@@ -184,7 +106,7 @@ def test_chat_tool_call_non_stream(client):
     assert call.type == "function" and call.function.name == "ReadFile"
     assert json.loads(call.function.arguments) == {"path": "notes.txt"}
     assert call.id.startswith("call_") and len(call.id) == 5 + 24
-    script = scripts(openk3.tokenizer.Tokenizer({bytes([b]): b for b in range(256)}))["tool"]
+    script = scripts(byte_tokenizer())["tool"]
     assert r.usage.completion_tokens == len(script)  # the end-of-message id included, as the engine counts
     assert r.usage.prompt_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + len(script)
     assert r.usage.completion_tokens_details.reasoning_tokens == len(b"I should read it.") + 1
@@ -222,7 +144,7 @@ def test_chat_stream_chunk_sequence(server):
 
 
 def scripts_tok():
-    return scripts(Tokenizer({bytes([b]): b for b in range(256)}))
+    return scripts(byte_tokenizer())
 
 
 def test_chat_stream_through_the_sdk_accumulates_the_call(client):

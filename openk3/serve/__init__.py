@@ -8,6 +8,7 @@
     protocol.py     request fields -> checked values and SamplingParams
     errors.py       the OpenAI error envelope and the exception handlers
     metrics.py      Prometheus text for /metrics
+    static/         the web chat page served at / (index.html, chat.js, chat.css)
 """
 
 from openk3.serve.app import create_app

@@ -3,21 +3,23 @@
     app = create_app(openk3.LLM("runs/nano"), served_model_name="nano", api_key=None)
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics.
-`/` is not served yet (404). With `api_key`, every /v1/* route needs `Authorization: Bearer KEY`;
-/health and /metrics stay open (probes and scrapers). The engine thread starts with the app's lifespan
-and stops with it.
+Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics, and the
+web chat page: GET / (static/index.html) with its files under GET /static/NAME. With `api_key`, every /v1/*
+route needs `Authorization: Bearer KEY`; /health, /metrics and the page stay open (probes, scrapers, and a
+page that holds no secret: the user types the key into it). The engine thread starts with the app's
+lifespan and stops with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib.resources
 import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from openk3.infer.engine import Engine
 from openk3.serve import chat, completions
@@ -28,6 +30,29 @@ from openk3.serve.outputs import unless_disconnected
 from openk3.serve.protocol import parse_body
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+# The web page's files (openk3/serve/static, package data) and their media types. A fixed list, not a
+# directory mount: nothing else in the package can be fetched through /static.
+_STATIC_TYPES = {"chat.js": "text/javascript; charset=utf-8", "chat.css": "text/css; charset=utf-8",
+                 "favicon.svg": "image/svg+xml"}
+# The page loads only its own files and talks only to this server: the browser refuses anything else
+# (no CDN, no external fonts, no inline script for model output to smuggle in).
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
+
+
+def _static_files() -> dict[str, bytes]:
+    """The page's files, read once. Missing package data (a wheel built without it) fails here, at startup."""
+    root = importlib.resources.files("openk3.serve") / "static"
+    try:
+        return {name: (root / name).read_bytes() for name in ("index.html", *_STATIC_TYPES)}
+    except FileNotFoundError as e:
+        raise RuntimeError(f"the web page's files are missing from {root} ({e.filename}): reinstall openk3 "
+                           "with its package data (pyproject.toml [tool.setuptools.package-data])") from e
 
 
 @dataclass
@@ -67,6 +92,7 @@ def create_app(llm_or_engine, served_model_name: str = "openk3", api_key: str | 
         raise ValueError("served_model_name must not be empty")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None disables the check)")
+    static = _static_files()
     metrics = Metrics(served_model_name)
     state = ServerState(engine, EngineLoop(engine, metrics, max_queue=max_queue), metrics, served_model_name,
                         api_key, int(time.time()))
@@ -100,6 +126,16 @@ def create_app(llm_or_engine, served_model_name: str = "openk3", api_key: str | 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def page() -> Response:
+        return HTMLResponse(static["index.html"], headers=_PAGE_HEADERS)
+
+    @app.get("/static/{name}")
+    async def static_file(name: str) -> Response:
+        if name not in _STATIC_TYPES:
+            raise APIError(404, f"no static file {name!r}", code="not_found")
+        return Response(static[name], media_type=_STATIC_TYPES[name], headers=_PAGE_HEADERS)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:

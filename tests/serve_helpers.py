@@ -1,0 +1,107 @@
+"""What tests/test_serve.py and tests/test_web.py share: the nano model and a 512-id byte tokenizer, scripted
+outputs, and a live uvicorn on a free port.
+
+Random weights cannot produce reasoning, content and tool calls on demand, so some requests are
+scripted: a prompt containing `#script:NAME#` has its sampled ids replaced by the ids of SCRIPTS[NAME]
+(the model still runs every step; only `Engine._sample` is wrapped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+import uvicorn
+
+import openk3
+from openk3.infer.engine import Engine
+from openk3.tokenizer import Tokenizer
+
+
+def nano_model():
+    torch.manual_seed(0)
+    return openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0).eval()
+
+
+def byte_tokenizer() -> Tokenizer:
+    return Tokenizer({bytes([b]): b for b in range(256)})  # 256 bytes + 256 specials = 512
+
+
+def _ids(tok, *parts) -> list[int]:
+    """Text parts as byte ids; a part that is a special token's name becomes its control id."""
+    out: list[int] = []
+    for p in parts:
+        out += [tok.special_ids[p]] if p in tok.special_ids else list(p.encode())
+    return out
+
+
+def scripts(tok) -> dict[str, list[int]]:
+    O, C, S = "<|open|>", "<|close|>", "<|sep|>"
+    end = (C, "message", S, "<|end_of_msg|>")
+    return {
+        # next-agents-serving.md §3.4: reasoning, content, one tool call
+        "tool": _ids(tok, "I should read it.", C, "think", S, O, "response", S, "Let me check.", C, "response", S,
+                     O, "tools", S, O, 'call tool="ReadFile" index="1"', S, O, 'argument key="path" type="string"',
+                     S, "notes.txt", C, "argument", S, C, "call", S, C, "tools", S, *end),
+        "text": _ids(tok, "hmm", C, "think", S, O, "response", S, "Hello world. Bye", C, "response", S, *end),
+        "long": _ids(tok, "a"),  # "a" forever (the last id repeats)
+    }
+
+
+def script_engine(engine: Engine, tok) -> Engine:
+    table = scripts(tok)
+    original = engine._sample
+
+    def script_of(req):
+        if not hasattr(req, "script"):
+            raw = bytes(i for i in req.prompt if i < 256)
+            start = raw.rfind(b"#script:")
+            name = raw[start + 8:raw.index(b"#", start + 8)].decode() if start >= 0 else None
+            req.script = table[name] if name else None
+        return req.script
+
+    def sample(reqs, logits):
+        toks = original(reqs, logits)
+        for i, req in enumerate(reqs):
+            script = script_of(req)
+            if script is not None:
+                toks[i] = script[min(len(req.out), len(script) - 1)]
+        return toks
+
+    engine._sample = sample
+    return engine
+
+
+@contextlib.contextmanager
+def served(app):
+    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL; stops it and joins the thread."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        assert not thread.is_alive()
+        engine_thread = app.state.openk3.loop._thread
+        assert engine_thread is None or not engine_thread.is_alive()
+
+
+def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
