@@ -2,14 +2,16 @@
 
 Bodies are read as plain JSON objects and checked field by field here, so that every mistake is a 400 in
 the error envelope naming the field and the value (`errors.APIError`). Fields are in three sets: those
-honoured, those accepted and ignored because they change nothing here (`user`), and the rest, which are
-refused by name -- an unsupported option is never dropped silently (an unknown key is most likely a typo
-or a feature the client relies on).
+honoured; those the API defines that this server does not implement yet (`NOT_YET`: refused by name when
+set to anything but their "off" value, never dropped silently); and keys it does not know, which are
+ignored and logged, as vLLM does: clients and agent frameworks send fields of newer API versions
+(`store`, `metadata`, `service_tier`, ...) that must not make a request fail.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "ma
 NOT_YET = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
            "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 MAX_N = 8
+log = logging.getLogger(__name__)
 MAX_STOP = 4
 
 
@@ -39,14 +42,16 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def check_fields(body: dict, allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(body) - set(allowed))
+def check_fields(body: dict, allowed: tuple[str, ...]) -> list[str]:
+    """Refuse a NOT_YET field that is switched on; return (and log) the keys this server does not know."""
+    unknown = sorted(set(body) - set(allowed) - set(NOT_YET))
     if unknown:
-        raise bad_request(f"unsupported field(s): {', '.join(unknown)}", param=unknown[0], code="unsupported_field")
+        log.info("ignored request field(s) this server does not know: %s", ", ".join(unknown))
     for name, off in NOT_YET.items():
         if body.get(name) not in off:
             raise bad_request(f"{name} is not supported yet (got {body[name]!r})", param=name,
                               code="unsupported_field")
+    return unknown
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, *, lo_open: bool = False) -> float:
