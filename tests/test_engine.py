@@ -314,3 +314,78 @@ def test_slot_cache_install_move_and_growth(model64):
         else:
             assert torch.equal(cache.kda[i].recurrent[0], st.recurrent[0])
     assert cache.nbytes()["kda_state"] == sum(s.nbytes() for s in cache.kda if s is not None)
+
+
+# ---- log probabilities ---------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def reference_logprobs(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log_softmax of one full float64 forward over prompt + output: row j is the distribution of out[j]."""
+    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:len(prompt) - 1 + len(out)]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def test_logprobs_equal_a_full_forward_float64_in_a_mixed_batch(model64):
+    """Six odd-length prompts through three slots, greedy and sampled rows (with a temperature and top-k, which
+    raw log probabilities ignore), asking k = None, 0 or 4: every asked entry equals log_softmax of the full
+    forward; rows that do not ask have no entries and the same tokens as a batch where nobody asks."""
+    ps = prompts(3)
+    ks = [4, None, 0, 4, None, 2]
+    temps = [0, 0, 0.8, 1.0, 0.9, 0]
+
+    def params(ask: bool) -> list[SamplingParams]:
+        return [SamplingParams(temperature=t, top_k=5 if t else 0, seed=11 + i, max_tokens=7,
+                               logprobs=k if ask else None) for i, (t, k) in enumerate(zip(temps, ks, strict=True))]
+
+    eng = Engine(model64, max_num_seqs=3, prefill_chunk=16)
+    deltas: dict[str, list] = {}
+    ids = [eng.add_request(p, sp, ignore_eos=True,
+                           on_output=lambda o: deltas.setdefault(o.request_id, []).extend(o.delta_logprobs or []))
+           for p, sp in zip(ps, params(True), strict=True)]
+    finals = {}
+    while eng.has_unfinished():
+        finals.update({o.request_id: o for o in eng.step() if o.finished})
+    plain = Engine(model64, max_num_seqs=3, prefill_chunk=16).generate(ps, params(False), ignore_eos=True)
+    for rid, p, k, ref_out in zip(ids, ps, ks, plain, strict=True):
+        out = finals[rid]
+        assert out.token_ids == ref_out.token_ids and ref_out.logprobs is None and ref_out.delta_logprobs is None
+        if k is None:
+            assert out.logprobs is None and deltas.get(rid, []) == []
+            continue
+        assert len(out.logprobs) == len(out.token_ids) == 7 and deltas[rid] == out.logprobs
+        ref = reference_logprobs(model64, p, out.token_ids)
+        for j, (lp, top) in enumerate(out.logprobs):
+            assert abs(lp - ref[j, out.token_ids[j]].item()) < 1e-9
+            order = torch.argsort(ref[j], descending=True)[:k].tolist()
+            assert [i for i, _ in top] == order and all(abs(v - ref[j, i].item()) < 1e-9 for i, v in top)
+
+
+def test_logprobs_through_the_eager_decode_graph(model64):
+    """Engine(compile=True) decodes through `DecodeGraph`, which returns the same logits: logprobs come from them
+    unchanged (its eager form here; tests/test_graph.py checks the compiled form against the eager one)."""
+    from openk3.infer.graph import DecodeGraph
+
+    ps = prompts(4, (6, 13))
+    sp = SamplingParams(temperature=0, max_tokens=6, logprobs=3)
+    ref = Engine(model64, max_num_seqs=2).generate(ps, sp, ignore_eos=True)
+    eng = Engine(model64, max_num_seqs=2)
+    eng.graph = DecodeGraph(model64, compile=False)
+    got = eng.generate(ps, sp, ignore_eos=True)
+    for a, b in zip(ref, got, strict=True):
+        assert a.token_ids == b.token_ids
+        for (la, ta), (lb, tb) in zip(a.logprobs, b.logprobs, strict=True):
+            assert abs(la - lb) < 1e-9 and [i for i, _ in ta] == [i for i, _ in tb]
+
+
+def test_no_logprob_work_when_no_row_asks(model64, monkeypatch):
+    """A batch where no request asks for logprobs never computes them (the greedy argmax path stays as it was)."""
+    import openk3.infer.engine as engine_mod
+
+    def refuse(*args):
+        raise AssertionError("token_logprobs was called")
+
+    monkeypatch.setattr(engine_mod, "token_logprobs", refuse)
+    outs = Engine(model64, max_num_seqs=2).generate(prompts(5, (4, 7, 2)), GREEDY, ignore_eos=True)
+    assert all(len(o.token_ids) == 10 and o.logprobs is None for o in outs)
+    with pytest.raises(AssertionError, match="was called"):  # the patch is where the engine computes them
+        Engine(model64, max_num_seqs=2).generate([[1, 2]], SamplingParams(temperature=0, max_tokens=2, logprobs=0))

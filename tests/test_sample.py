@@ -15,6 +15,7 @@ from openk3.infer import (
     sample_batch,
     sample_next,
 )
+from openk3.infer.sample import token_logprobs
 
 NEG_INF = float("-inf")
 
@@ -43,6 +44,9 @@ def _kept(x: torch.Tensor) -> set[int]:
         ("repetition_penalty", 0.0),
         ("repetition_penalty", -1.0),
         ("max_tokens", 0),
+        ("logprobs", -1),
+        ("logprobs", True),
+        ("logprobs", 1.0),
     ],
 )
 def test_params_validation_names_field(field, value):
@@ -53,7 +57,7 @@ def test_params_validation_names_field(field, value):
 def test_params_defaults_frozen_kw_only():
     p = SamplingParams()
     assert (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty) == (1.0, 0, 1.0, 0.0, 1.0)
-    assert p.seed is None and p.max_tokens == 256 and p.stop == ()
+    assert p.seed is None and p.max_tokens == 256 and p.stop == () and p.logprobs is None
     with pytest.raises(TypeError):
         SamplingParams(0.5)  # kw_only
     with pytest.raises(AttributeError):
@@ -243,3 +247,33 @@ def test_batched_equals_per_row_and_ignores_batch_composition():
 def test_batch_length_mismatch_raises():
     with pytest.raises(ValueError):
         sample_batch(torch.zeros(2, 5), [SamplingParams()], [make_generator(0)] * 2)
+
+
+# ---- log probabilities --------------------------------------------------------------------------------------
+
+
+def test_token_logprobs_hand_example_ties_and_per_row_k():
+    """Row 0: logits log([0.5, 0.25, 0.25]) -> exact log probabilities, the tie between ids 1 and 2 ordered by
+    id; row 1 asks k=0 (the sampled token only); k beyond the vocabulary is cut to it."""
+    logits = torch.tensor([[0.5, 0.25, 0.25], [1.0, 1.0, 1.0]]).log() + 3.0  # a shift changes nothing
+    got = token_logprobs(logits, [2, 0], [5, 0])
+    half, quarter, third = math.log(0.5), math.log(0.25), math.log(1 / 3)
+    (lp0, top0), (lp1, top1) = got
+    assert lp0 == pytest.approx(quarter, abs=1e-6) and lp1 == pytest.approx(third, abs=1e-6) and top1 == []
+    assert [i for i, _ in top0] == [0, 1, 2]
+    assert [v for _, v in top0] == pytest.approx([half, quarter, quarter], abs=1e-6)
+
+
+def test_token_logprobs_are_raw_float64_and_shape_checked():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g, dtype=torch.float64) * 4
+    ref = torch.log_softmax(logits, dim=-1)
+    got = token_logprobs(logits, [7, 0, 49], [3, 1, 2])
+    for row, (tok, (lp, top)) in enumerate(zip([7, 0, 49], got, strict=True)):
+        assert lp == ref[row, tok].item()  # float64 logits stay float64: exact
+        order = torch.argsort(ref[row], descending=True)[:len(top)].tolist()
+        assert [i for i, _ in top] == order and [v for _, v in top] == ref[row, order].tolist()
+    bf16 = token_logprobs(logits[:1].bfloat16(), [7], [0])  # low-precision logits are normalised in fp32
+    assert bf16[0][0] == pytest.approx(torch.log_softmax(logits[:1].bfloat16().float(), -1)[0, 7].item(), abs=1e-6)
+    with pytest.raises(ValueError, match="token_logprobs"):
+        token_logprobs(logits, [1, 2], [0, 0])

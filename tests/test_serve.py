@@ -249,6 +249,120 @@ def test_completions_stop_string_and_length(client):
     assert r.choices[0].finish_reason == "length" and r.choices[0].text == "a" * 9 and r.usage.completion_tokens == 9
 
 
+# ---- log probabilities ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def direct_logprobs(model, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """log_softmax (float64) of one full forward over prompt + output: row j scores out[j]."""
+    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:len(prompt) - 1 + len(out)]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def _ids_of(tok, pieces: list[bytes]) -> list[int]:
+    """Token ids back from the byte tokenizer's pieces (one byte, or a special token's name)."""
+    return [p[0] if len(p) == 1 else tok.special_ids[p.decode()] for p in pieces]
+
+
+def test_chat_logprobs_equal_a_direct_computation(client, model, tok):
+    """Greedy chat with logprobs + top_logprobs=3, plain and streamed: one entry per generated token (all
+    channels), each equal to log_softmax of a full forward over the rendered prompt and the output."""
+    from openk3.chat import encode_segments, render
+
+    msgs = user("hello")
+    kw = {"model": MODEL, "messages": msgs, "max_tokens": 9, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    out = _ids_of(tok, [bytes(e.bytes) for e in content])
+    ref = direct_logprobs(model, encode_segments(render({"messages": msgs}), tok).ids, out)
+    for j, e in enumerate(content):
+        assert e.token == bytes(e.bytes).decode("utf-8", errors="replace")
+        assert abs(e.logprob - ref[j, out[j]].item()) < 1e-4
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].bytes == e.bytes  # greedy: the top token
+        top_ids = _ids_of(tok, [bytes(t.bytes) for t in e.top_logprobs])
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(ref[j].topk(3).values.tolist(), abs=1e-4)
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx(ref[j, top_ids].tolist(), abs=1e-4)
+    streamed = []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.bytes for e in streamed] == [e.bytes for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    plain = client.chat.completions.create(**{k: v for k, v in kw.items() if "logprobs" not in k})
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+
+def test_chat_logprobs_cover_every_channel_unless_reasoning_is_hidden(client, tok):
+    """Reasoning, markers, content, the tool call and the end-of-message token all have entries, in order
+    (as vLLM); with include_reasoning=false there are none (their texts would show the reasoning)."""
+    script = scripts(tok)["tool"]
+    r = client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200, logprobs=True)
+    content = r.choices[0].logprobs.content
+    assert _ids_of(tok, [bytes(e.bytes) for e in content]) == script
+    assert all(e.top_logprobs == [] and e.logprob <= 0 for e in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200,
+                                                 logprobs=True, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.bytes for e in streamed] == [e.bytes for e in content]
+    hidden = client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200,
+                                            logprobs=True, extra_body={"include_reasoning": False})
+    assert hidden.choices[0].logprobs is None and hidden.choices[0].message.tool_calls
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200,
+                                                 logprobs=True, stream=True, extra_body={"include_reasoning": False}))
+    assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+
+
+def test_completions_logprobs_equal_a_direct_computation(client, model, tok):
+    """Greedy legacy completions with logprobs=2: tokens, token_logprobs, top_logprobs (the 2 most likely and
+    the sampled token, by text) and text_offset equal a direct computation; the stream's pieces join to them."""
+    prompt = list(b"def ")
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    n = r.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    out: list[int] = []
+    for j in range(n):
+        ref = direct_logprobs(model, prompt, out + [0])[-1]  # the distribution after prompt + out
+        best = ref.topk(2)
+        out.append(int(best.indices[0]))  # greedy
+        text = [tok.decode_bytes([i]).decode("utf-8", errors="replace") for i in best.indices.tolist()]
+        assert lp.tokens[j] == text[0] and abs(lp.token_logprobs[j] - best.values[0].item()) < 1e-4
+        want = dict(zip(text, best.values.tolist(), strict=True))  # greedy: the sampled token is among them
+        assert lp.top_logprobs[j] == pytest.approx(want, abs=1e-4)
+        assert lp.text_offset[j] == sum(len(t) for t in lp.tokens[:j])
+    parts = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0, logprobs=2,
+                                           stream=True):
+        if chunk.choices[0].logprobs is not None:
+            for key in parts:
+                parts[key] += getattr(chunk.choices[0].logprobs, key)
+    assert parts["tokens"] == lp.tokens and parts["text_offset"] == lp.text_offset
+    assert parts["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-5)
+    k0 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=0)
+    assert [list(d) for d in k0.choices[0].logprobs.top_logprobs] == [[t] for t in lp.tokens[:3]]  # sampled only
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=7, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
+
+
+def test_logprobs_bounds_are_400s_naming_the_field(server):
+    url, _ = server
+    chat, comp = url + "/v1/chat/completions", url + "/v1/completions"
+    ok = {"model": MODEL, "messages": user("hi"), "max_tokens": 2}
+    for extra, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+                         ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
+                         ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+                         ({"logprobs": 1}, "logprobs")):  # chat's logprobs is a flag
+        _envelope(httpx.post(chat, json={**ok, **extra}), 400, param=param)
+    assert httpx.post(chat, json={**ok, "logprobs": True, "top_logprobs": 20}).status_code == 200
+    base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    for value in (21, -1, True, "3"):
+        _envelope(httpx.post(comp, json={**base, "logprobs": value}), 400, param="logprobs")
+    assert httpx.post(comp, json={**base, "logprobs": 20}).status_code == 200
+    _envelope(httpx.post(comp, json={**base, "logprobs": 1, "echo": True}), 400, param="echo",
+              code="unsupported_field")
+
+
 # ---- batching, cancellation, admission -------------------------------------------------------------------
 
 def test_concurrent_requests_share_the_batch(server, client):
@@ -363,11 +477,10 @@ def test_every_error_is_an_envelope(server):
     _envelope(httpx.post(chat, json={**ok, "messages": [{"role": "user", "content": image}]}), 400, param="messages")
     # keys of newer API versions (or typos) are ignored and logged, as vLLM does: a request never fails on them
     assert httpx.post(chat, json={**ok, "frobnicate": 1, "store": False, "metadata": {"a": "b"}}).status_code == 200
-    for field, value in (("logprobs", True), ("top_logprobs", 2), ("presence_penalty", 0.5),
-                         ("frequency_penalty", 1), ("logit_bias", {"1": 5})):
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"1": 5})):
         err = _envelope(httpx.post(chat, json={**ok, field: value}), 400, param=field, code="unsupported_field")
         assert "not supported yet" in err["message"]
-    assert httpx.post(chat, json={**ok, "presence_penalty": 0, "logprobs": False}).status_code == 200
+    assert httpx.post(chat, json={**ok, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0}).status_code == 200
     _envelope(httpx.post(chat, json={**ok, "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400,
               param="tool_choice")
     _envelope(httpx.post(chat, json={**ok, "model": "gpt-9"}), 404, param="model", code="model_not_found")
@@ -389,8 +502,8 @@ def test_sdk_error_classes(client):
         client.chat.completions.create(model="nope", messages=user("hi"))
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("hi"), logprobs=True)
-    assert e.value.body["param"] == "logprobs"
+        client.chat.completions.create(model=MODEL, messages=user("hi"), logprobs=True, top_logprobs=21)
+    assert e.value.body["param"] == "top_logprobs"
 
 
 def test_api_key(model, tok):

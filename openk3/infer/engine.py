@@ -28,7 +28,7 @@ import torch
 
 from openk3.infer.detok import TextStream
 from openk3.infer.graph import DecodeGraph
-from openk3.infer.sample import SamplingParams, make_generator, sample_next
+from openk3.infer.sample import SamplingParams, make_generator, sample_next, token_logprobs
 from openk3.model.cache import DenseCache, SlotCache
 
 
@@ -39,6 +39,11 @@ class RequestOutput:
     `token_ids` includes a stop token id when one ended the request (chat parsers need it); `text`
     never contains a stop token's text or a stop string. `finish_reason`: "stop" (stop token or
     string, `stop_reason` says which), "length" (max_tokens or the context limit), "abort".
+
+    `logprobs` / `delta_logprobs` (None unless the request's `SamplingParams.logprobs` is set): one entry
+    per token of `token_ids` / `delta_token_ids`, `(logprob, [(id, logprob), ...])`: the token's log
+    probability and the k most likely tokens', as `sample.token_logprobs` computes them (the model's raw
+    distribution, before penalties, temperature and filters).
     """
 
     request_id: str
@@ -51,6 +56,8 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    delta_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class _Request:
@@ -60,6 +67,7 @@ class _Request:
         self.stream, self.on_output = stream, on_output
         self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
         self.out: list[int] = []
+        self.logprobs: list | None = None if params.logprobs is None else []  # one entry per token of out
         self.sent_tokens = 0
         self.cache: DenseCache | None = None
         self.prefilled = 0
@@ -187,7 +195,9 @@ class Engine:
             req.cache = None
             self.running.append(req)
             req.t_first = time.perf_counter()
-            self._accept(req, self._sample([req], logits[:, -1])[0], outputs)
+            last = logits[:, -1]
+            toks = self._sample([req], last)
+            self._accept(req, toks[0], self._logprobs([req], last, toks)[0], outputs)
         self._release_finished()  # requests that stopped at their first token
         if self.running:
             ids = torch.tensor([[r.out[-1]] for r in self.running], device=self.device)
@@ -196,8 +206,9 @@ class Engine:
                 logits_nV = self.graph(ids, self.slots, n)
             else:
                 logits_nV = self.model(ids, cache=self.slots.view(n))[:, -1]
-            for req, tok in zip(self.running, self._sample(self.running, logits_nV), strict=True):
-                self._accept(req, tok, outputs)
+            toks = self._sample(self.running, logits_nV)
+            for req, tok, lp in zip(self.running, toks, self._logprobs(self.running, logits_nV, toks), strict=True):
+                self._accept(req, tok, lp, outputs)
         self._release_finished()
         return outputs
 
@@ -216,9 +227,24 @@ class Engine:
                 toks[i] = sample_next(logits_nV[i], r.params, r.generator, seen)
         return toks  # type: ignore[return-value]
 
-    def _accept(self, req: _Request, tok: int, outputs: list[RequestOutput]) -> None:
-        """Append a sampled token, apply the stop rules, emit an output."""
+    def _logprobs(self, reqs: list[_Request], logits_nV: torch.Tensor, toks: list[int]) -> list:
+        """The log probability entries of the rows whose request asks for them (None for the others). Kept
+        apart from `_sample` so that a batch where no row asks costs nothing more than a list of Nones,
+        and whatever chose the tokens, the entries describe the tokens actually taken."""
+        rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        out: list = [None] * len(reqs)
+        if rows:
+            picked = logits_nV if len(rows) == len(reqs) else logits_nV[rows]
+            entries = token_logprobs(picked, [toks[i] for i in rows], [reqs[i].params.logprobs for i in rows])
+            for i, e in zip(rows, entries, strict=True):
+                out[i] = e
+        return out
+
+    def _accept(self, req: _Request, tok: int, logprob, outputs: list[RequestOutput]) -> None:
+        """Append a sampled token (and its logprob entry, when asked), apply the stop rules, emit an output."""
         req.out.append(tok)
+        if req.logprobs is not None:
+            req.logprobs.append(logprob)
         self.stats["generation_tokens"] += 1
         delta = ""
         if tok in req.stop_ids:
@@ -236,6 +262,7 @@ class Engine:
 
     def _emit(self, req: _Request, delta: str) -> RequestOutput:
         new = req.out[req.sent_tokens:]
+        new_lp = None if req.logprobs is None else req.logprobs[req.sent_tokens:]
         req.sent_tokens = len(req.out)
         done = req.finish_reason is not None
         metrics = {"prompt_tokens": len(req.prompt), "generation_tokens": len(req.out)}
@@ -245,7 +272,7 @@ class Engine:
             metrics["e2e_s"] = now - req.t_arrival
         text = req.stream.text if req.stream is not None else ""
         out = RequestOutput(req.id, req.prompt, list(req.out), text, new, delta, done, req.finish_reason,
-                            req.stop_reason, metrics)
+                            req.stop_reason, metrics, None if req.logprobs is None else list(req.logprobs), new_lp)
         if req.on_output is not None:
             req.on_output(out)
         return out

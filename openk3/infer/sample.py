@@ -19,7 +19,9 @@ import torch
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Per-request sampling settings. temperature=0 means greedy; top_k=0, top_p=1, min_p=0 and
-    repetition_penalty=1 are "off"; seed=None draws a random seed."""
+    repetition_penalty=1 are "off"; seed=None draws a random seed. logprobs=None returns no log
+    probabilities; k >= 0 returns, per generated token, its log probability and the k most likely
+    tokens' (`token_logprobs`)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -29,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -50,6 +53,9 @@ class SamplingParams:
             raise bad("seed", "an int or None")
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise bad("stop", "a tuple of strings")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or self.logprobs < 0):
+            raise bad("logprobs", "None or an int >= 0")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -148,6 +154,27 @@ def sample_next(
         return int(torch.argmax(x))  # torch documents: first maximal index
     probs = torch.softmax(filter_logits(x, params), dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits_nV: torch.Tensor, token_ids: Sequence[int], k: Sequence[int]
+                   ) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Per row: (log probability of `token_ids[i]`, the `k[i]` most likely (id, log probability) pairs, most
+    likely first; equal values by lowest id). These are the model's raw log probabilities, log_softmax of
+    the logits before repetition penalty, temperature and the top-k/top-p/min-p filters (vLLM's default
+    `raw_logprobs`): they say what the model predicts, whatever the request's sampling settings."""
+    if logits_nV.dim() != 2 or not len(token_ids) == len(k) == logits_nV.shape[0]:
+        raise ValueError(f"token_logprobs: logits of shape {tuple(logits_nV.shape)} for {len(token_ids)} tokens "
+                         f"and {len(k)} k values")
+    # fp32 at least (bf16 logits lose the tail); a float64 model keeps float64.
+    lp = torch.log_softmax(logits_nV.to(torch.promote_types(logits_nV.dtype, torch.float32)), dim=-1)
+    picked = lp.gather(1, torch.tensor(token_ids, device=lp.device).view(-1, 1))[:, 0].tolist()
+    top = min(max(k, default=0), lp.shape[-1])
+    if top == 0:
+        return [(p, []) for p in picked]
+    # A stable descending sort puts equal values in id order (topk leaves ties in no documented order).
+    vals, ids = torch.sort(lp, dim=-1, descending=True, stable=True)
+    vals, ids = vals[:, :top].tolist(), ids[:, :top].tolist()
+    return [(p, list(zip(i[:kk], v[:kk], strict=True))) for p, i, v, kk in zip(picked, ids, vals, k, strict=True)]
 
 
 def sample_batch(

@@ -18,18 +18,19 @@ import codecs
 import json
 import secrets
 import time
+from dataclasses import replace
 from typing import Any
 
 from openk3.chat import StreamParser, encode_segments, marker_ids_of, render, resolve_thinking
 from openk3.chat.xtml import CLOSE
 from openk3.serve import protocol
 from openk3.serve.errors import APIError, bad_request
-from openk3.serve.outputs import Collector, EngineFailed, error_frame, new_id, sse
+from openk3.serve.outputs import Collector, EngineFailed, chat_logprobs, error_frame, new_id, sse
 
 FIELDS = protocol.SAMPLING_FIELDS + (
-    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format",
-    "reasoning_effort", "thinking_effort", "reasoning", "thinking", "enable_thinking", "chat_template_kwargs",
-    "include_reasoning")
+    "logprobs", "top_logprobs", "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "reasoning_effort", "thinking_effort", "reasoning", "thinking", "enable_thinking",
+    "chat_template_kwargs", "include_reasoning")
 
 
 class StopMatcher:
@@ -65,7 +66,7 @@ class ChoiceParser:
     whole `tool_calls`)."""
 
     def __init__(self, tok, thinking: bool, *, stops: tuple[str, ...], tool_choice: Any, parallel: bool,
-                 include_reasoning: bool) -> None:
+                 include_reasoning: bool, logprobs: bool = False) -> None:
         self.tok = tok
         self.markers = marker_ids_of(tok)
         self.close_id = next((i for i, m in self.markers.items() if m == CLOSE), None)
@@ -85,15 +86,23 @@ class ChoiceParser:
         self.delivered: list[dict] = []
         self.reasoning: list[str] = []
         self.content: list[str] = []
+        # logprobs.content items, one per token counted in `tokens` (all channels); none without
+        # include_reasoning, whose token texts would show the hidden reasoning (design §3.5, as vLLM).
+        self.logprobs: list[dict] | None = [] if logprobs and include_reasoning else None
+        self.sent_logprobs = 0
 
     # ---- feeding --------------------------------------------------------------------------------
 
-    def feed(self, ids: list[int]) -> list[dict]:
+    def feed(self, ids: list[int], logprobs: list | None = None) -> list[dict]:
+        """Deltas for the new token ids; `logprobs` (the engine's entries for them) are kept for
+        `logprobs_delta`."""
         deltas: list[dict] = []
-        for tid in ids:
+        for j, tid in enumerate(ids):
             if self.stop.stopped:
                 break
             self.tokens += 1
+            if self.logprobs is not None and logprobs is not None:
+                self.logprobs += chat_logprobs(self.tok, [tid], [logprobs[j]])
             if self.in_think:
                 self.reasoning_tokens += 1
                 if tid == self.close_id:  # the first <|close|> ends the thinking channel
@@ -174,6 +183,14 @@ class ChoiceParser:
             self.delivered.append(whole)
             deltas.append({"tool_calls": [whole]})
 
+    def logprobs_delta(self) -> dict | None:
+        """The logprobs of the tokens fed since the last call, for the next chunk of this choice (a token that
+        produced no delta of its own, a marker or held-back text, rides on the next chunk)."""
+        if not self.logprobs or self.sent_logprobs == len(self.logprobs):
+            return None
+        new, self.sent_logprobs = self.logprobs[self.sent_logprobs:], len(self.logprobs)
+        return {"content": new}
+
     def message(self) -> dict:
         content = "".join(self.content)
         msg: dict[str, Any] = {"role": "assistant", "content": content if content or not self.delivered else None}
@@ -244,6 +261,7 @@ def prepare(state, body: dict) -> dict:
         prompt = encode_segments(render(request), state.tok).ids
     except ValueError as e:
         raise bad_request(str(e), param="messages" if str(e).startswith("messages") else None) from None
+    common.params = replace(common.params, logprobs=protocol.chat_logprobs(body))
     params = common.capped(len(prompt), state.max_model_len, "messages")
     return {"common": common, "prompt": prompt, "thinking": thinking, "params": params,
             "tool_choice": tool_choice, "parallel": protocol.boolean(body, "parallel_tool_calls", True),
@@ -254,12 +272,11 @@ def start(state, job: dict) -> tuple[Collector, list[ChoiceParser]]:
     common = job["common"]
     plist = protocol.choice_params(job["params"], common.n)
     # The engine gets no stop strings: they apply to the content channel, matched by ChoiceParser.
-    from dataclasses import replace
-
     collector = Collector(state.loop, [(job["prompt"], replace(p, stop=())) for p in plist],
                           stop_token_ids=common.stop_token_ids, ignore_eos=common.ignore_eos)
     parsers = [ChoiceParser(state.tok, job["thinking"], stops=common.params.stop, tool_choice=job["tool_choice"],
-                            parallel=job["parallel"], include_reasoning=job["include_reasoning"])
+                            parallel=job["parallel"], include_reasoning=job["include_reasoning"],
+                            logprobs=common.params.logprobs is not None)
                for _ in range(common.n)]
     return collector, parsers
 
@@ -275,7 +292,7 @@ async def complete(state, job: dict, model: str) -> dict:
     try:
         async for k, out in collector.outputs():
             p = parsers[k]
-            p.feed(out.delta_token_ids)
+            p.feed(out.delta_token_ids, out.delta_logprobs)
             if p.stop.stopped:
                 collector.finish_early(k)
             if out.finished or p.stop.stopped:
@@ -285,8 +302,9 @@ async def complete(state, job: dict, model: str) -> dict:
     finally:
         collector.close()
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": k, "message": p.message(), "logprobs": None, "finish_reason": reasons[k]}
-                        for k, p in enumerate(parsers)],
+            "choices": [{"index": k, "message": p.message(),
+                         "logprobs": None if p.logprobs is None else {"content": p.logprobs},
+                         "finish_reason": reasons[k]} for k, p in enumerate(parsers)],
             "usage": _usage(job, parsers)}
 
 
@@ -296,7 +314,8 @@ async def stream(state, job: dict, model: str):
     head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(k: int, delta: dict, finish: str | None = None) -> str:
-        return sse({**head, "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+        return sse({**head, "choices": [{"index": k, "delta": delta, "logprobs": parsers[k].logprobs_delta(),
+                                         "finish_reason": finish}]})
 
     async def body():
         try:
@@ -305,7 +324,7 @@ async def stream(state, job: dict, model: str):
             try:
                 async for k, out in collector.outputs():
                     p = parsers[k]
-                    for d in p.feed(out.delta_token_ids):
+                    for d in p.feed(out.delta_token_ids, out.delta_logprobs):
                         yield chunk(k, d)
                     if p.stop.stopped:
                         collector.finish_early(k)

@@ -9,12 +9,13 @@ text before its completion.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from openk3.serve import protocol
 from openk3.serve.errors import APIError, bad_request
-from openk3.serve.outputs import Collector, EngineFailed, error_frame, new_id, sse
+from openk3.serve.outputs import Collector, EngineFailed, completion_logprobs, error_frame, new_id, sse
 
-FIELDS = protocol.SAMPLING_FIELDS + ("prompt", "echo", "suffix", "best_of")
+FIELDS = protocol.SAMPLING_FIELDS + ("logprobs", "prompt", "echo", "suffix", "best_of")
 
 
 def _prompts(body: dict, state) -> list[list[int]]:
@@ -47,9 +48,15 @@ def prepare(state, body: dict) -> dict:
     common = protocol.common(body, state.vocab_size)
     if body.get("best_of") not in (None, common.n):
         raise bad_request(f"best_of must equal n ({common.n}) when given, got {body['best_of']!r}", param="best_of")
+    logprobs = protocol.completion_logprobs(body)
+    echo = protocol.boolean(body, "echo", False)
+    if echo and logprobs is not None:
+        # The legacy API then scores the prompt tokens too: prompt log probabilities are not implemented.
+        raise bad_request("echo with logprobs (log probabilities of the prompt tokens) is not supported",
+                          param="echo", code="unsupported_field")
+    common.params = replace(common.params, logprobs=logprobs)
     prompts = _prompts(body, state)
     params = [common.capped(len(p), state.max_model_len, "prompt") for p in prompts]
-    echo = protocol.boolean(body, "echo", False)
     requests = [(p, sp) for p, base in zip(prompts, params, strict=True)
                 for sp in protocol.choice_params(base, common.n)]
     return {"common": common, "prompts": prompts, "requests": requests,
@@ -59,6 +66,13 @@ def prepare(state, body: dict) -> dict:
 def _start(state, job: dict) -> Collector:
     common = job["common"]
     return Collector(state.loop, job["requests"], stop_token_ids=common.stop_token_ids, ignore_eos=common.ignore_eos)
+
+
+def _logprobs(state, token_ids: list[int], entries: list | None, offset: int) -> dict | None:
+    """The choice's `logprobs` object, or None when the request did not ask (the engine kept no entries).
+    Every generated token is listed, a stop token included (as its name): joined, `tokens` can run past
+    `text`, which a stop string or stop token ends."""
+    return None if entries is None else completion_logprobs(state.tok, token_ids, entries, offset)
 
 
 def _usage(job: dict, completion_tokens: int) -> dict:
@@ -77,7 +91,8 @@ async def complete(state, job: dict, model: str) -> dict:
         raise APIError(500, str(e)) from None
     finally:
         collector.close()
-    choices = [{"index": k, "text": job["echo"][k // n] + finals[k].text, "logprobs": None,
+    choices = [{"index": k, "text": job["echo"][k // n] + finals[k].text,
+                "logprobs": _logprobs(state, finals[k].token_ids, finals[k].logprobs, 0),
                 "finish_reason": finals[k].finish_reason} for k in range(len(job["requests"]))]
     return {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": _usage(job, sum(len(o.token_ids) for o in finals.values()))}
@@ -88,8 +103,18 @@ async def stream(state, job: dict, model: str):
     n = job["common"].n
     head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model}
 
+    # Per choice: tokens not yet sent with a chunk (text held back by a stop string comes later, and its tokens
+    # with it) and the text offset of the next token.
+    pending: list[tuple[list[int], list]] = [([], []) for _ in job["requests"]]
+    offsets = [0] * len(job["requests"])
+
     def chunk(k: int, text: str, finish: str | None = None) -> str:
-        return sse({**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": finish}]})
+        ids, entries = pending[k]
+        logprobs = _logprobs(state, ids, entries, offsets[k]) if ids else None
+        if logprobs is not None:
+            offsets[k] += sum(len(t) for t in logprobs["tokens"])
+            pending[k] = ([], [])
+        return sse({**head, "choices": [{"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish}]})
 
     async def body():
         generated = 0
@@ -100,6 +125,9 @@ async def stream(state, job: dict, model: str):
             try:
                 async for k, out in collector.outputs():
                     generated += len(out.delta_token_ids)
+                    if out.delta_logprobs is not None:
+                        pending[k][0].extend(out.delta_token_ids)
+                        pending[k][1].extend(out.delta_logprobs)
                     if out.delta_text or out.finished:
                         yield chunk(k, out.delta_text, out.finish_reason if out.finished else None)
             except EngineFailed as e:

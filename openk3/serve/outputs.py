@@ -76,6 +76,55 @@ class Collector:
         self.unfinished.clear()
 
 
+# ---- log probabilities ------------------------------------------------------------------------------------
+
+#: JSON has no -Infinity: a token the model rules out (a -inf logit) reports this instead, as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def token_piece(tok, token_id: int) -> bytes:
+    """A token's bytes (a special token's name as UTF-8). An id of the model's vocabulary that the tokenizer
+    does not have (a padded embedding table) can still appear among the top alternatives: it gets a
+    placeholder name rather than failing the response."""
+    try:
+        return tok.decode_bytes([token_id])
+    except ValueError:
+        return f"<|token_{token_id}|>".encode()
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(tok, token_ids: Sequence[int], entries: Sequence) -> list[dict]:
+    """Chat `logprobs.content` items: per token its text (a partial UTF-8 character shows as U+FFFD, `bytes`
+    has the exact bytes), log probability, and `top_logprobs` (the k most likely tokens, k as asked)."""
+    def item(tid: int, lp: float) -> dict:
+        piece = token_piece(tok, tid)
+        return {"token": piece.decode("utf-8", errors="replace"), "logprob": _logprob(lp), "bytes": list(piece)}
+
+    return [{**item(tid, lp), "top_logprobs": [item(i, v) for i, v in top]}
+            for tid, (lp, top) in zip(token_ids, entries, strict=True)]
+
+
+def completion_logprobs(tok, token_ids: Sequence[int], entries: Sequence, offset: int) -> dict:
+    """The legacy completions `logprobs` object for these tokens; `offset` is the text offset of the first.
+    `top_logprobs` maps token text to log probability for the k most likely tokens and always the sampled
+    one (the legacy API's "up to logprobs + 1" entries)."""
+    tokens = [token_piece(tok, t).decode("utf-8", errors="replace") for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    tops = []
+    for text, (lp, top) in zip(tokens, entries, strict=True):
+        d = {token_piece(tok, i).decode("utf-8", errors="replace"): _logprob(v) for i, v in top}
+        d.setdefault(text, _logprob(lp))
+        tops.append(d)
+    return {"tokens": tokens, "token_logprobs": [_logprob(lp) for lp, _ in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
 class EngineFailed(Exception):
     pass
 

@@ -19,15 +19,18 @@ from typing import Any
 from openk3.infer.sample import SamplingParams
 from openk3.serve.errors import bad_request
 
-#: Fields both endpoints read; `sampling()` turns them into SamplingParams.
+#: Fields both endpoints read; `common()` turns them into SamplingParams. `logprobs` differs by endpoint
+#: (chat: a flag and `top_logprobs`; completions: an int), so each endpoint lists and reads its own.
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "max_tokens", "n",
-                   "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
-                   "stop_token_ids", "ignore_eos", "logit_bias", "stream", "stream_options", "model", "user")
+                   "repetition_penalty", "presence_penalty", "frequency_penalty", "stop_token_ids", "ignore_eos",
+                   "logit_bias", "stream", "stream_options", "model", "user")
 #: Fields named in the API that this server does not implement yet: a 400 naming them when set to
 #: anything but their "off" value.
-NOT_YET = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "logit_bias": (None, {}),
-           "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
+NOT_YET = {"logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0)}
 MAX_N = 8
+#: The most top log probabilities a token may ask for (chat `top_logprobs`, completions `logprobs`): OpenAI's
+#: chat bound; the legacy completions API says 5, vLLM allows 20 there too.
+MAX_LOGPROBS = 20
 log = logging.getLogger(__name__)
 MAX_STOP = 4
 
@@ -105,6 +108,21 @@ def token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
                                               for i in value):
         raise bad_request(f"{name} must be a list of token ids in 0..{vocab_size - 1}", param=name)
     return value
+
+
+def chat_logprobs(body: dict) -> int | None:
+    """Chat: `logprobs: true` asks for the sampled tokens' log probabilities, `top_logprobs` (0..20) for that
+    many alternatives each; a non-zero `top_logprobs` without `logprobs: true` is a 400, as in OpenAI's API."""
+    on = boolean(body, "logprobs", False)
+    top = integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not on:
+        raise bad_request(f"top_logprobs ({top}) needs logprobs: true", param="top_logprobs")
+    return (top or 0) if on else None
+
+
+def completion_logprobs(body: dict) -> int | None:
+    """Completions: `logprobs: k` (0..20) asks for k alternatives per token; null is off."""
+    return integer(body, "logprobs", None, 0, MAX_LOGPROBS)
 
 
 @dataclass
