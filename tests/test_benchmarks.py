@@ -1,4 +1,4 @@
-"""The decode benchmarks run end to end at toy sizes (their numbers are not checked: no timed asserts),
+"""The decode and serving benchmarks run end to end at toy sizes (their numbers are not checked: no timed asserts),
 so a change that breaks a benchmark script fails CI rather than the next person measuring."""
 
 from __future__ import annotations
@@ -47,3 +47,15 @@ def test_bench_linear_layout_runs(tmp_path):
     steps = [r for r in rows if "step_us" in r]
     assert [r["batch"] for r in steps] == [1, 3] and all(r["step_us"]["column-major"] > 0 for r in steps)
     assert sum(r["linears"] for r in rows if r.get("batch") == 1 and "linears" in r) > 30
+
+
+def test_bench_serve_runs(tmp_path):
+    """The serving benchmark starts `openk3 serve` in its own process, streams through it and stops it."""
+    import bench_serve
+
+    out = bench_serve.main(["--preset", "nano", "--concurrency", "1", "3", "--requests", "3", "--prompt-len", "8",
+                            "--max-tokens", "4", "--json", str(tmp_path / "r.json")])
+    levels = out["levels"]
+    assert [r["concurrency"] for r in levels] == [1, 3] and (tmp_path / "r.json").exists()
+    assert all(r["completed"] == 3 and r["failed"] == 0 for r in levels), [r["errors"] for r in levels]
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in levels)
