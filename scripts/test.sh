@@ -7,7 +7,9 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # Two worker processes (pytest-xdist) where there are two CPUs, each test on one thread: the suite's ~1,050
 # tests take about half the time of one process. OPENK3_TEST_WORKERS=1 runs them in this process.
-workers=${OPENK3_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 1 ))}
+# (nproc counts OMP_NUM_THREADS as the CPU count, so it is asked without it)
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+workers=${OPENK3_TEST_WORKERS:-$(( cpus >= 2 ? 2 : 1 ))}
 if [ "$workers" -gt 1 ]; then
   python -m pytest -n "$workers" "$@"
 else
