@@ -49,13 +49,49 @@ def test_bench_linear_layout_runs(tmp_path):
     assert sum(r["linears"] for r in rows if r.get("batch") == 1 and "linears" in r) > 30
 
 
-def test_bench_serve_runs(tmp_path):
-    """The serving benchmark starts `openk3 serve` in its own process, streams through it and stops it."""
+def test_bench_serve_runs(tmp_path, capsys):
+    """The serving benchmark starts `openk3 serve` in its own process, streams through it and stops it, and
+    runs the same requests through an in-process engine: one row per contender and level, and the overhead."""
     import bench_serve
 
-    out = bench_serve.main(["--preset", "nano", "--concurrency", "1", "3", "--requests", "3", "--prompt-len", "8",
-                            "--max-tokens", "4", "--json", str(tmp_path / "r.json")])
-    levels = out["levels"]
-    assert [r["concurrency"] for r in levels] == [1, 3] and (tmp_path / "r.json").exists()
-    assert all(r["completed"] == 3 and r["failed"] == 0 for r in levels), [r["errors"] for r in levels]
-    assert all(r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in levels)
+    out = bench_serve.main(["--preset", "nano", "--concurrency", "1", "8", "--requests", "3", "--prompt-len", "8",
+                            "--max-tokens", "4", "--repeats", "2", "--json", str(tmp_path / "r.json")])
+    levels, local = out["levels"], out["inprocess_levels"]
+    assert [r["concurrency"] for r in levels] == [1, 8] and (tmp_path / "r.json").exists()
+    assert [r["concurrency"] for r in local] == [1, 8]
+    # medians of 2 runs of 3 requests each, every one of them 4 tokens
+    assert all(r["repeats"] == 2 and r["completed"] == 6 and r["failed"] == 0 for r in levels + local), \
+        [r["errors"] for r in levels + local]
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in levels + local)
+    assert all(r["tpot_ms"]["p50"] > 0 and r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"] for r in local)
+    assert all(r["client_cpu_share"] > 0 for r in levels) and all("client_cpu_share" not in r for r in local)
+    assert all(r["overhead"] == 1 - r["output_tokens_per_s"] / lr["output_tokens_per_s"]
+               for r, lr in zip(levels, local, strict=True))
+    text = capsys.readouterr().out
+    assert text.count("| in-process |") == 2 and text.count("| HTTP |") == 2
+    assert "HTTP + streaming overhead at 1 clients" in text and "target <= 10 %" not in text.split("at 8 clients")[0]
+    assert "target <= 10 %: " in text.split("at 8 clients")[1]  # flagged at 8 clients only
+
+
+def test_bench_serve_inprocess_closed_loop():
+    """The in-process contender keeps exactly `concurrency` requests in flight and counts every token."""
+    import bench_serve
+
+    import openk3
+    from openk3.tokenizer import Tokenizer
+
+    llm = openk3.LLM(openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0),
+                     Tokenizer({bytes([b]): b for b in range(256)}), max_num_seqs=4)
+    engine, in_flight = llm.engine, []
+    step = engine.step
+
+    def counting_step():
+        in_flight.append(len(engine.waiting) + len(engine.running))
+        return step()
+
+    engine.step = counting_step
+    row = bench_serve.run_inprocess_level(engine, 2, 5, 6, 3)
+    assert row["completed"] == 5 and row["failed"] == 0 and not engine.has_unfinished()
+    # refilled as soon as one finishes: 2 in flight until the queue runs dry, then only the tail drains
+    assert set(in_flight) == {1, 2} and in_flight == sorted(in_flight, reverse=True)
+    assert row["output_tokens_per_s"] == 5 * 3 / row["wall_s"]
