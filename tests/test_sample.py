@@ -277,3 +277,20 @@ def test_token_logprobs_are_raw_float64_and_shape_checked():
     assert bf16[0][0] == pytest.approx(torch.log_softmax(logits[:1].bfloat16().float(), -1)[0, 7].item(), abs=1e-6)
     with pytest.raises(ValueError, match="token_logprobs"):
         token_logprobs(logits, [1, 2], [0, 0])
+
+
+def test_tiny_temperature_is_greedy_and_tiny_repetition_penalty_is_refused():
+    """fp32 logits divided by ~1e-38 overflow to inf, and softmax makes NaN: a temperature below 1e-5 samples
+    greedily (as vLLM), a repetition penalty below 0.01 is refused (the server's fuzz test found both stopping
+    the engine)."""
+    from openk3.infer.sample import sample_next
+
+    for t in (1e-300, 1e-38, 9e-6):
+        assert SamplingParams(temperature=t).temperature == 0.0
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    assert sample_next(logits, SamplingParams(temperature=1e-300), torch.Generator().manual_seed(1)) == \
+        int(logits.argmax())
+    with pytest.raises(ValueError, match="repetition_penalty must be >= 0.01"):
+        SamplingParams(repetition_penalty=0.005)
+    SamplingParams(repetition_penalty=0.01)

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+#: A temperature below this samples greedily (vLLM's _SAMPLING_EPS); the least repetition penalty.
+MIN_TEMPERATURE = 1e-5
+MIN_REPETITION_PENALTY = 0.01
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -39,14 +43,16 @@ class SamplingParams:
 
         if not self.temperature >= 0:  # also rejects NaN
             raise bad("temperature", ">= 0")
+        if self.temperature < MIN_TEMPERATURE:  # greedy, as vLLM: fp32 logits / ~1e-38 overflow to inf -> NaN
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not 0 <= self.min_p < 1:
             raise bad("min_p", "in [0, 1)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "an int >= 0")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", "> 0")
+        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:  # it divides logits too: the same overflow
+            raise bad("repetition_penalty", f">= {MIN_REPETITION_PENALTY}")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from openk3.infer.sample import SamplingParams
+from openk3.infer.sample import MIN_REPETITION_PENALTY, SamplingParams
 from openk3.serve.errors import bad_request
 
 #: Fields both endpoints read; `common()` turns them into SamplingParams. `logprobs` differs by endpoint
@@ -159,12 +159,12 @@ def common(body: dict, vocab_size: int, *, max_tokens_names: tuple[str, ...] = (
             break
     top_k = integer(body, "top_k", 0, -1)
     seed = integer(body, "seed", None, -(2 ** 63), 2 ** 63 - 1)
-    params = SamplingParams(
+    params = SamplingParams(  # (a temperature below MIN_TEMPERATURE samples greedily: SamplingParams)
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
         top_k=max(top_k, 0),  # -1 is vLLM's "off", as 0 is ours
         min_p=_number(body, "min_p", 0.0, 0.0, 0.999999),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 10.0),
         seed=None if seed is None else seed % 2 ** 63,  # torch seeds are unsigned
         stop=stop_strings(body),
     )
