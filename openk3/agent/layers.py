@@ -1,0 +1,205 @@
+"""The state store of a sandbox family: sealed read-only layers, live uppers, and snapshot records.
+
+A sandbox's `/workspace` is an overlayfs: its read-only lower layers are sealed snapshots (oldest last in
+the mount option, as overlayfs wants), its upper is the live delta. So
+
+    snapshot = seal: copy the upper out of its tmpfs into a new layer, start a fresh empty upper;
+    restore  = drop the upper, start a fresh one over the snapshot's layers;
+    fork(n)  = snapshot once, then n fresh uppers over the same layers (children share every byte).
+
+Layers are never written after sealing, so any number of sandboxes can stack them. The store lives in one
+folder (`root/`) that all sandboxes forked from one another share; it is deleted when the last of them
+closes. Whiteouts (deleted lower files) are 0/0 character devices and opaque directories carry the
+`user.overlay.opaque` xattr (the mount uses `userxattr`, which is what an unprivileged overlay needs); a
+sealed upper keeps both, so deletions survive restacking.
+
+Layout (short names: the lowerdir mount option must fit in one page, ~4 KiB):
+    root/l/<id>/        sealed layers (root/l/base is the initial workspace)
+    root/u/<id>/t       mount point of a live sandbox's tmpfs (its upper and overlay work dir, in RAM)
+    root/u/<id>/saved   that upper copied to disk when the sandbox's processes stop between snapshots
+    root/m/<id>/        mount points (inside each sandbox's own mount namespace)
+    root/s/<id>.json    snapshot records: {"layers": [...], "cwd": str, "env": {...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import stat
+import threading
+
+MAX_LAYERS = 48  # the lowerdir option must fit in a page; deeper stacks are refused with a clear message
+
+
+def new_id() -> str:
+    return secrets.token_hex(6)
+
+
+def rmtree(path: str) -> None:
+    """Remove a tree that sandboxed code wrote: it may hold mode-000 dirs (overlay's work dir, or made so on
+    purpose) and whiteout devices. Never follows a symlink (a chmod through one could hit a host file)."""
+
+    def fix(_func, p, _exc):
+        for d in (os.path.dirname(p), p):
+            try:
+                if stat.S_ISDIR(os.lstat(d).st_mode):
+                    os.chmod(d, 0o700)
+            except OSError:
+                pass
+        try:
+            if stat.S_ISDIR(os.lstat(p).st_mode):
+                shutil.rmtree(p, onerror=lambda *a: None)
+            else:
+                os.unlink(p)
+        except OSError:
+            pass
+
+    if os.path.lexists(path):
+        shutil.rmtree(path, onerror=fix)
+
+
+class LayerStore:
+    """One folder of layers shared by a sandbox and its forks; reference-counted by them."""
+
+    def __init__(self, root: str, owner: tuple[int, int] | None) -> None:
+        self.root = root
+        self.owner = owner  # (uid, gid) the sandbox processes run as, when the host is root
+        self._refs = 0
+        self._lock = threading.Lock()
+        for sub in ("l", "u", "m", "s"):
+            os.makedirs(os.path.join(root, sub), exist_ok=True)
+        os.chmod(root, 0o711)
+        self._chown(root)
+
+    # ---- reference counting -----------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._refs += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._refs -= 1
+            last = self._refs == 0
+        if last:
+            rmtree(self.root)
+
+    # ---- layers -------------------------------------------------------------------------------------
+
+    def layer_path(self, layer_id: str) -> str:
+        return os.path.join(self.root, "l", layer_id)
+
+    def make_base(self, files: dict[str, str | bytes] | None, base_dir: str | None) -> str:
+        """The first layer: a copy of `base_dir` and/or the given files (paths relative to /workspace)."""
+        path = self.layer_path("base")
+        if base_dir is not None:
+            if not os.path.isdir(base_dir):
+                raise ValueError(f"Sandbox(base_dir=): {base_dir!r} is not a directory")
+            # symlinks are copied as links (resolved later inside the sandbox's view, never on the host)
+            shutil.copytree(base_dir, path, symlinks=True)
+        else:
+            os.makedirs(path)
+        for rel, content in (files or {}).items():
+            dest = _inside(path, rel)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with open(dest, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else bytes(content))
+        self._chown_tree(path)
+        return "base"
+
+    def new_upper(self, sandbox_id: str) -> tuple[str, str]:
+        """A fresh delta for one sandbox: (tmpfs mount point, mount point of the merged /workspace).
+        The live upper is a size-capped tmpfs inside the sandbox's own mount namespace (that is what bounds
+        /workspace); `saved_path` holds it on disk between incarnations."""
+        u = os.path.join(self.root, "u", sandbox_id)
+        rmtree(u)
+        t = os.path.join(u, "t")
+        mnt = os.path.join(self.root, "m", sandbox_id)
+        for d in (u, t, mnt):
+            os.makedirs(d, exist_ok=True)
+            self._chown(d)
+        return t, mnt
+
+    def saved_path(self, sandbox_id: str) -> str:
+        return os.path.join(self.root, "u", sandbox_id, "saved")
+
+    def drop_upper(self, sandbox_id: str) -> None:
+        rmtree(os.path.join(self.root, "u", sandbox_id))
+        rmtree(os.path.join(self.root, "m", sandbox_id))
+
+    def seal(self, sandbox_id: str, layers: list[str]) -> list[str]:
+        """Turn the sandbox's saved delta into a new top layer; returns the new layer list (top first)."""
+        saved = self.saved_path(sandbox_id)
+        if not os.path.isdir(saved) or not os.listdir(saved):  # nothing changed since the last seal
+            return list(layers)
+        layer_id = new_id()
+        os.rename(saved, self.layer_path(layer_id))
+        _fsync_dir(os.path.join(self.root, "l"))
+        return [layer_id, *layers]
+
+    def lowerdir(self, layers: list[str]) -> str:
+        paths = [self.layer_path(x) for x in layers]
+        for p in paths:
+            if "," in p or ":" in p:
+                raise ValueError(f"sandbox store path {p!r} contains ',' or ':' (overlayfs option syntax)")
+        return ":".join(paths)
+
+    # ---- snapshot records -----------------------------------------------------------------------------
+
+    def save_snapshot(self, layers: list[str], cwd: str, env: dict[str, str]) -> str:
+        snap_id = new_id()
+        path = os.path.join(self.root, "s", snap_id + ".json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"layers": layers, "cwd": cwd, "env": env}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic: a crash leaves the previous snapshots intact
+        return snap_id
+
+    def load_snapshot(self, snap_id: str) -> dict:
+        if not isinstance(snap_id, str) or not snap_id.isalnum():
+            raise ValueError(f"unknown snapshot id {snap_id!r}")
+        path = os.path.join(self.root, "s", snap_id + ".json")
+        if not os.path.exists(path):
+            raise ValueError(f"unknown snapshot id {snap_id!r} (snapshots live as long as the sandbox family)")
+        with open(path) as f:
+            return json.load(f)
+
+    # ---- ownership ----------------------------------------------------------------------------------------
+
+    def _chown(self, path: str) -> None:
+        if self.owner is not None:
+            os.chown(path, *self.owner, follow_symlinks=False)
+
+    def _chown_tree(self, path: str) -> None:
+        """Lower files must belong to the uid mapped inside the sandbox, or overlay copy-up fails (EOVERFLOW)."""
+        if self.owner is None:
+            return
+        for dirpath, dirnames, filenames in os.walk(path):
+            self._chown(dirpath)
+            for name in dirnames + filenames:
+                p = os.path.join(dirpath, name)
+                self._chown(p)
+                st = os.lstat(p)
+                if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(p, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+
+
+def _inside(root: str, rel: str) -> str:
+    """`root/rel`, refusing absolute paths and `..` that would leave root (these come from task authors)."""
+    r = rel[len("/workspace/"):] if rel.startswith("/workspace/") else rel
+    norm = os.path.normpath(r)
+    if os.path.isabs(norm) or norm in (".", "..") or norm.startswith("../") or "\0" in norm:
+        raise ValueError(f"Sandbox(files=): path {rel!r} is outside /workspace")
+    return os.path.join(root, norm)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

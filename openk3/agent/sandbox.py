@@ -1,0 +1,553 @@
+"""`Sandbox`: a process tree in fresh Linux namespaces with a layered, snapshottable `/workspace`.
+
+    with Sandbox(memory_bytes=1 << 30) as sb:
+        sb.run("echo hi > a.txt && cd sub || mkdir sub && cd sub")   # cwd and exported env persist
+        snap = sb.snapshot()                                         # seal the workspace as a layer
+        kids = sb.fork(4)                                            # four sandboxes from this state
+        sb.restore(snap)
+
+How it is built (design: shared/context/next-agents-serving.md §1; threat model: docs/agents.md), from the
+outside in, each layer holding even if an inner one is wrong:
+- the host spawns the launcher with a scrubbed environment (PATH only), so no secret can show up in
+  /proc/*/environ inside; as root it first drops to an unprivileged uid (`sandbox_uid`, default 65534), so
+  the sandbox never runs with host privileges and the per-user process limit applies;
+- rlimits (prlimit): CPU seconds, address space, processes, file size, open files, no core dumps;
+- `unshare --user --map-root-user --mount` mounts the overlay (lower = sealed layers, upper = live delta) in
+  a private mount namespace that dies with the sandbox: nothing is mounted on the host;
+- bubblewrap: new user (uid 1000 inside, no further user namespaces), mount, PID, network (only its own
+  `lo`), IPC, UTS and cgroup namespaces; a minimal read-only view (/usr and its symlinks, a few /etc files,
+  stub passwd/group), a size-capped /tmp, fresh /dev and /proc, no /sys, no home, no host folders;
+  `--die-with-parent` and `--new-session`;
+- seccomp-BPF (`seccomp.py`): ptrace, mount, keyctl, bpf, io_uring, non-Unix sockets, ... fail with EPERM;
+- the in-sandbox agent (`agentd.py`) runs each command in its own process group with a wall-clock timeout,
+  caps output, and kills whatever a command leaves running before it replies.
+There is no unsandboxed fallback: where the kernel or the system lacks a piece, `Sandbox()` raises
+`SandboxUnavailable` naming it.
+
+Processes are not part of a snapshot (no CRIU): state is the files (the layers) plus the shell's cwd and
+exported environment (metadata). `snapshot`, `restore` and `fork` therefore stop the sandbox's processes;
+the next call starts a fresh agent (tens of ms) over the new layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, fields, replace
+
+from .layers import MAX_LAYERS, LayerStore, new_id, rmtree
+
+AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+AGENT_FILES = ("agentd.py", "toolbox.py", "toolbox_apps.py")  # bound read-only at /opt/openk3 inside
+PYTHON = "/usr/bin/python3"  # the system interpreter: the only one inside the sandbox's /usr view
+REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
+BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", "TERM": "dumb",
+            "USER": "agent", "LOGNAME": "agent"}
+
+
+class SandboxUnavailable(RuntimeError):
+    """This host cannot run a sandbox; the message names what is missing."""
+
+
+class SandboxError(RuntimeError):
+    """A sandbox operation failed (the sandbox is closed, or its agent misbehaved)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-sandbox limits. rlimits apply to every process inside (so `memory_bytes` bounds each one's
+    address space and `max_processes` the count); `timeout` is the default wall clock of one `run`."""
+
+    timeout: float = 60.0
+    max_timeout: float = 3600.0
+    cpu_seconds: int = 600
+    memory_bytes: int = 2 << 30
+    max_processes: int = 256
+    file_size_bytes: int = 256 << 20
+    open_files: int = 1024
+    tmp_bytes: int = 64 << 20
+    workspace_bytes: int = 512 << 20  # the live delta of /workspace (a tmpfs: ENOSPC beyond it)
+    workspace_inodes: int = 100_000
+
+    def validate(self) -> Limits:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"Sandbox limit {f.name} must be a positive number, got {v!r}")
+        if self.timeout > self.max_timeout:
+            raise ValueError(f"Sandbox limit timeout={self.timeout} exceeds max_timeout={self.max_timeout}")
+        if self.max_processes < 8:
+            raise ValueError(f"Sandbox limit max_processes={self.max_processes} is too low to run a shell (>= 8)")
+        if self.memory_bytes < 64 << 20:
+            raise ValueError(f"Sandbox limit memory_bytes={self.memory_bytes} is below 64 MiB: Python cannot start")
+        return self
+
+
+@dataclass(frozen=True)
+class RunResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration: float = 0.0
+    truncated: bool = False
+    error: str | None = None  # set when the sandbox itself failed (agent died, protocol error)
+
+
+_probe_lock = threading.Lock()
+_probe_result: dict[tuple, str | None] = {}
+
+
+def unavailable_reason(sandbox_uid: int = 65534) -> str | None:
+    """None if sandboxes can run here, else one line naming what is missing (checked once per process)."""
+    key = (os.getuid(), sandbox_uid)
+    with _probe_lock:
+        if key not in _probe_result:
+            _probe_result[key] = _probe(sandbox_uid)
+        return _probe_result[key]
+
+
+def _probe(sandbox_uid: int) -> str | None:
+    tools = ["bwrap", "unshare", "prlimit", "mount", "setpriv", "cp"]
+    for tool in tools:
+        if shutil.which(tool) is None:
+            hint = "apt-get install bubblewrap" if tool == "bwrap" else "util-linux"
+            raise_msg = f"`{tool}` is not installed ({hint})"
+            return raise_msg
+    if not os.access(PYTHON, os.X_OK):
+        return f"{PYTHON} is missing: the in-sandbox agent runs on the system Python"
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            if int(f.read()) == 0:
+                return "user namespaces are disabled (sysctl user.max_user_namespaces = 0)"
+    except OSError:
+        pass
+    from . import seccomp
+
+    why = seccomp.unavailable_reason()
+    if why is not None:
+        return f"seccomp: {why}"
+    # The real test: a throw-away sandbox must start and answer (overlay in a user namespace, bwrap nesting).
+    try:
+        sb = Sandbox(_probe=True, sandbox_uid=sandbox_uid)
+        try:
+            r = sb.run("echo ok", timeout=20)
+        finally:
+            sb.close()
+    except SandboxUnavailable as e:
+        return str(e)
+    if r.error or r.stdout.strip() != "ok":
+        return f"a test sandbox did not run: {r.error or r.stderr.strip() or r.stdout.strip()}"
+    return None
+
+
+class Sandbox:
+    """The contract: `run`, `tool`, `snapshot`, `restore`, `fork`, `close` (and a context manager)."""
+
+    def __init__(self, *, files: dict[str, str | bytes] | None = None, base_dir: str | None = None,
+                 ro_binds: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                 store_dir: str | None = None, sandbox_uid: int = 65534, _probe: bool = False,
+                 _parent: tuple[LayerStore, str, Limits] | None = None, **limits) -> None:
+        unknown = set(limits) - {f.name for f in fields(Limits)}
+        if unknown:
+            raise ValueError(f"Sandbox: unknown limit(s) {sorted(unknown)}; known: {[f.name for f in fields(Limits)]}")
+        self._closed = True  # until fully built, close() has nothing to undo
+        if _parent is None and not _probe:
+            why = unavailable_reason(sandbox_uid)
+            if why is not None:
+                raise SandboxUnavailable(f"cannot start a sandbox on this host: {why}")
+        self.id = new_id()
+        self._lock = threading.RLock()
+        self._proc: subprocess.Popen | None = None
+        self.sandbox_uid = sandbox_uid
+        if _parent is not None:
+            self.store, snap_id, self.limits = _parent
+            snap = self.store.load_snapshot(snap_id)
+            self.layers, self.cwd, self.env = list(snap["layers"]), snap["cwd"], dict(snap["env"])
+            self.ro_binds = dict(ro_binds or {})
+        else:
+            self.limits = replace(Limits(), **limits).validate()
+            self.ro_binds = _check_binds(ro_binds or {})
+            owner = (sandbox_uid, sandbox_uid) if os.getuid() == 0 else None
+            root = tempfile.mkdtemp(prefix="openk3-sb-", dir=store_dir)
+            self.store = LayerStore(root, owner)
+            try:
+                self.layers = [self.store.make_base(files, base_dir)]
+            except BaseException:
+                rmtree(root)
+                raise
+            self.cwd = "/workspace"
+            self.env = {**BASE_ENV, **(env or {})}
+        self.store.acquire()
+        self.store.new_upper(self.id)
+        self._closed = False
+        # Whatever happens to this object (garbage collection, interpreter exit), its processes die and its
+        # folders go.
+        self._proc_box: list = [None]  # the live process, shared with the finalizer (which must not hold self)
+        self._finalizer = weakref.finalize(self, Sandbox._cleanup, self.store, self.id, self._proc_box)
+
+    # ---- context manager ---------------------------------------------------------------------------------
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the contract ---------------------------------------------------------------------------------------
+
+    def run(self, command: str, timeout: float | None = None) -> RunResult:
+        """Run a shell command in the sandbox (cwd and exported env persist between calls)."""
+        if not isinstance(command, str):
+            raise ValueError(f"Sandbox.run: command must be a string, got {type(command).__name__}")
+        t = self.limits.timeout if timeout is None else timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= self.limits.max_timeout:
+            raise ValueError(f"Sandbox.run: timeout must be in (0, {self.limits.max_timeout}], got {timeout!r}")
+        with self._lock:
+            t0 = time.monotonic()
+            reply = self._request({"op": "run", "command": command, "timeout": float(t), "cwd": self.cwd,
+                                   "env": self.env}, wait=t + 10)
+            if "error" in reply or not _valid_run_reply(reply):
+                err = reply.get("error") or "the sandbox agent sent a malformed reply"
+                return RunResult(-1, "", "", bool(reply.get("timed_out")), time.monotonic() - t0, False, str(err))
+            self.cwd, self.env = reply["cwd"], reply["env"]
+            return RunResult(reply["exit_code"], reply["stdout"], reply["stderr"], reply["timed_out"],
+                             float(reply["duration"]), bool(reply.get("truncated")))
+
+    def tool(self, name: str, args: dict, *, timeout: float = 60.0, **options) -> dict:
+        """Call an in-sandbox tool (`toolbox.dispatch`): {"ok", "output", "data"} or {"ok": False, "error"}."""
+        with self._lock:
+            reply = self._request({"op": "tool", "name": name, "args": args, "options": options}, wait=timeout)
+            if "ok" not in reply:
+                return {"ok": False, "error": "the sandbox agent sent a malformed reply", "output": ""}
+            return reply
+
+    def snapshot(self) -> str:
+        """Seal the current workspace (files, app state) + cwd/env; returns an id for `restore`/`fork`.
+        Running processes are stopped: they are not part of the state."""
+        with self._lock:
+            self._check_open()
+            self._stop()
+            self.layers = self.store.seal(self.id, self.layers)
+            if len(self.layers) > MAX_LAYERS:
+                raise SandboxError(f"sandbox has {len(self.layers)} stacked snapshots (max {MAX_LAYERS})")
+            self.store.new_upper(self.id)
+            return self.store.save_snapshot(self.layers, self.cwd, self.env)
+
+    def restore(self, snapshot_id: str) -> None:
+        """Go back to a snapshot of this sandbox family (processes stop; files, cwd and env come back)."""
+        with self._lock:
+            self._check_open()
+            snap = self.store.load_snapshot(snapshot_id)
+            self._stop(save=False)
+            self.store.new_upper(self.id)
+            self.layers, self.cwd, self.env = list(snap["layers"]), snap["cwd"], dict(snap["env"])
+
+    def fork(self, n: int, *, ro_binds: dict[str, str] | None = None) -> list[Sandbox]:
+        """`n` sandboxes starting from the current state, then diverging independently. `ro_binds` adds
+        read-only host folders to the children only (a verifier's grader files, which the parent never sees)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"Sandbox.fork: n must be a positive int, got {n!r}")
+        binds = {**self.ro_binds, **_check_binds(ro_binds or {})}
+        snap = self.snapshot()
+        return [Sandbox(_parent=(self.store, snap, self.limits), ro_binds=binds,
+                        sandbox_uid=self.sandbox_uid) for _ in range(n)]
+
+    def close(self) -> None:
+        """Kill everything the sandbox started and remove its folders (layers go with the last of a family).
+        Safe to call from another thread while a `run` is in progress: that call returns with an error."""
+        proc = self._proc
+        if proc is not None:
+            proc.kill()  # first, without the lock, so a call blocked on this sandbox ends now
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop(save=False)
+            self._finalizer()  # runs _cleanup once
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pid(self) -> int | None:
+        """Host pid of the sandbox's outer process (the holder of its mount namespace), while one runs."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def agent_pid(self) -> int | None:
+        """Host pid of the in-sandbox agent (pid 1 of the sandbox's PID namespace), while it runs."""
+        if self.pid is None:
+            return None
+        agents = [a for b in _children(self.pid) for a in _children(b)]
+        return agents[0] if agents else None
+
+    # ---- process management -----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
+
+    def _start(self) -> None:
+        from . import seccomp
+
+        t = os.path.join(self.store.root, "u", self.id, "t")
+        mnt = os.path.join(self.store.root, "m", self.id)
+        etc = self._etc_stubs()
+        lim = self.limits
+        # setpriv: the holder dies with this process (--pdeathsig), and as root everything runs unprivileged
+        argv = ["setpriv", "--pdeathsig", "KILL"]
+        if os.getuid() == 0:
+            argv += [f"--reuid={self.sandbox_uid}", f"--regid={self.sandbox_uid}", "--clear-groups"]
+        argv += ["--",
+                 "prlimit", f"--nproc={lim.max_processes}", f"--as={lim.memory_bytes}",
+                 f"--cpu={int(lim.cpu_seconds)}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
+                 "--core=0", "--",
+                 "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--",
+                 "/bin/sh", "-c", _HOLDER, "sh", str(lim.workspace_bytes), str(lim.workspace_inodes), t,
+                 self.store.saved_path(self.id), self.store.lowerdir(self.layers), mnt, "--"]
+        bpf = seccomp.filter_bpf()
+        sfd = os.memfd_create("openk3-seccomp")
+        os.write(sfd, bpf)
+        os.lseek(sfd, 0, os.SEEK_SET)
+        argv += ["bwrap", "--unshare-all", "--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns",
+                 "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv", "--as-pid-1",
+                 "--ro-bind", "/usr", "/usr"]
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+            if os.path.islink(top):
+                argv += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                argv += ["--ro-bind", top, top]
+        for path in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/ssl/certs", "/etc/localtime"):
+            argv += ["--ro-bind-try", path, path]
+        argv += ["--ro-bind", os.path.join(etc, "passwd"), "/etc/passwd",
+                 "--ro-bind", os.path.join(etc, "group"), "/etc/group",
+                 # /dev is bwrap's own tmpfs: read-only, except a size-capped /dev/shm (tmpfs is RAM that
+                 # no rlimit counts, so every writable tmpfs gets a size)
+                 "--dev", "/dev", "--remount-ro", "/dev", "--size", str(lim.tmp_bytes), "--tmpfs", "/dev/shm",
+                 "--proc", "/proc", "--size", str(lim.tmp_bytes), "--tmpfs", "/tmp",
+                 "--bind", mnt, "/workspace"]
+        for name in AGENT_FILES:
+            src = os.path.join(AGENT_DIR, name)
+            if os.path.exists(src):
+                argv += ["--ro-bind", src, f"/opt/openk3/{name}"]
+        for dest, src in self.ro_binds.items():
+            argv += ["--ro-bind", src, dest]
+        argv += ["--remount-ro", "/", "--seccomp", str(sfd), "--chdir", "/workspace",
+                 PYTHON, "-I", "-S", "/opt/openk3/agentd.py"]
+        log_path = os.path.join(self.store.root, "u", self.id, "log")
+        with open(log_path, "wb") as log:
+            try:
+                self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, pass_fds=(sfd,),
+                                              close_fds=True)
+            finally:
+                os.close(sfd)
+        self._proc_box[0] = self._proc
+        self._log_path = log_path
+
+    def _etc_stubs(self) -> str:
+        etc = os.path.join(self.store.root, "etc")
+        if not os.path.exists(os.path.join(etc, "group")):
+            os.makedirs(etc, exist_ok=True)
+            with open(os.path.join(etc, "passwd"), "w") as f:
+                f.write("agent:x:1000:1000:agent:/workspace:/bin/bash\nnobody:x:65534:65534::/:/usr/sbin/nologin\n")
+            with open(os.path.join(etc, "group"), "w") as f:
+                f.write("agent:x:1000:\nnogroup:x:65534:\n")
+            for name in ("passwd", "group"):
+                os.chmod(os.path.join(etc, name), 0o644)
+        return etc
+
+    def _stop(self, save: bool = True) -> None:
+        """End the current incarnation. With `save`, the live upper is first copied out of its tmpfs to disk
+        (`saved`), so the files written since the last snapshot survive into the next incarnation."""
+        proc, self._proc = self._proc, None
+        self._proc_box[0] = None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            # Killing the agent (pid 1 of the sandbox's PID namespace) takes every process inside with it;
+            # bwrap then exits and the holder, left alone, closes our pipe: EOF = nothing inside runs anymore.
+            for pid in _children(proc.pid):
+                for agent in _children(pid):
+                    _signal(agent, 9)
+            _drain_to_eof(proc.stdout, 10.0)
+            if save and proc.poll() is None:
+                self._save_upper(proc.pid)
+        _kill(proc)
+
+    def _save_upper(self, holder: int) -> None:
+        """Copy the holder's tmpfs upper (whiteouts and opaque-dir xattrs included) to `saved`, atomically."""
+        src = f"/proc/{holder}/root{os.path.join(self.store.root, 'u', self.id, 't', 'up')}"
+        saved = self.store.saved_path(self.id)
+        tmp = saved + ".new"
+        rmtree(tmp)
+        r = subprocess.run(["cp", "-a", "--", src, tmp], capture_output=True, text=True,
+                           env={"PATH": "/usr/bin:/bin"})
+        if r.returncode != 0:
+            rmtree(tmp)
+            raise SandboxError(f"could not save the sandbox's workspace: {r.stderr.strip()[-500:]}")
+        rmtree(saved)
+        os.rename(tmp, saved)
+
+    def _request(self, req: dict, wait: float) -> dict:
+        self._check_open()
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = None
+            self._start()
+        proc = self._proc
+        try:
+            proc.stdin.write((json.dumps(req) + "\n").encode())
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return self._died(proc, "the sandbox agent is not running")
+        line = _read_line(proc.stdout, wait)
+        if line is None:
+            return self._died(proc, f"no reply from the sandbox agent within {wait:.0f} s", timed_out=True)
+        if not line:
+            return self._died(proc, "the sandbox agent died (its process tree was killed from inside, or it "
+                                    "failed to start)")
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            return self._died(proc, "the sandbox agent sent a malformed reply")
+        if not isinstance(reply, dict):
+            return self._died(proc, "the sandbox agent sent a malformed reply")
+        return reply
+
+    def _died(self, proc: subprocess.Popen, why: str, timed_out: bool = False) -> dict:
+        """The agent is gone or untrustworthy: tear the incarnation down, keeping its files (the next call
+        starts afresh)."""
+        self._stop(save=True)
+        detail = ""
+        try:
+            with open(self._log_path, "rb") as f:
+                detail = f.read()[-2000:].decode("utf-8", "replace").strip()
+        except OSError:
+            pass
+        if detail and "failed to start" in why:
+            why += f": {detail}"
+        if self._probe_failed(detail):
+            raise SandboxUnavailable(f"cannot start a sandbox on this host: {detail}")
+        return {"ok": False, "error": why, "timed_out": timed_out}
+
+    @staticmethod
+    def _probe_failed(detail: str) -> bool:
+        # Errors that mean the host cannot sandbox at all (not something the sandboxed code did).
+        markers = ("bwrap:", "unshare:", "mount:", "setpriv:", "prlimit:")
+        return any(detail.startswith(m) or f"\n{m}" in detail for m in markers)
+
+    @staticmethod
+    def _cleanup(store: LayerStore, sandbox_id: str, proc_box: list) -> None:
+        if proc_box[0] is not None:
+            _kill(proc_box[0])
+            proc_box[0] = None
+        store.drop_upper(sandbox_id)
+        store.release()
+
+
+# The holder: mounts the workspace (a size-capped tmpfs upper over the sealed layers) in the private mount
+# namespace `unshare` made, runs bwrap, and then stays alive holding that namespace, with our pipe closed,
+# until the host has copied the upper out and kills it. Arguments: bytes inodes tmpfs saved lowerdir mnt -- bwrap...
+_HOLDER = r"""set -e
+q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6
+shift 7
+mount -t tmpfs -o "size=$q,nr_inodes=$n,mode=0755" openk3-workspace "$t"
+mkdir "$t/up" "$t/wk"
+if [ -d "$saved" ]; then cp -a "$saved/." "$t/up/"; fi
+mount -t overlay overlay -o "userxattr,lowerdir=$lower,upperdir=$t/up,workdir=$t/wk" "$mnt"
+set +e
+"$@"
+exec sleep infinity </dev/null >/dev/null 2>&1
+"""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _drain_to_eof(stream, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    fd = stream.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if sel.select(timeout=left) and not os.read(fd, 1 << 16):
+                return
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _read_line(stream, wait: float) -> bytes | None:
+    """One reply line within `wait` seconds: None on timeout, b"" at EOF; capped at REPLY_CAP."""
+    deadline = time.monotonic() + wait
+    buf = bytearray()
+    fd = stream.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not sel.select(timeout=left):
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b""
+            buf += chunk
+            if b"\n" in buf:
+                return bytes(buf[: buf.index(b"\n")])
+            if len(buf) > REPLY_CAP:
+                return b"\0"  # not JSON: treated as a protocol error
+
+
+def _valid_run_reply(r: dict) -> bool:
+    return (isinstance(r.get("exit_code"), int) and isinstance(r.get("stdout"), str)
+            and isinstance(r.get("stderr"), str) and isinstance(r.get("timed_out"), bool)
+            and isinstance(r.get("duration"), (int, float)) and isinstance(r.get("cwd"), str)
+            and r["cwd"].startswith("/") and isinstance(r.get("env"), dict) and len(r["env"]) < 4096
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in r["env"].items()))
+
+
+def _check_binds(binds: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for dest, src in binds.items():
+        if not isinstance(dest, str) or not dest.startswith("/") or dest.rstrip("/") in (
+                "", "/usr", "/workspace", "/proc", "/dev", "/tmp", "/etc", "/opt/openk3"):
+            raise ValueError(f"Sandbox(ro_binds=): destination {dest!r} must be a new absolute path (e.g. /task)")
+        if not os.path.exists(src):
+            raise ValueError(f"Sandbox(ro_binds=): source {src!r} for {dest!r} does not exist")
+        out[dest] = os.path.abspath(src)
+    return out
