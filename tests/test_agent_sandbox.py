@@ -263,7 +263,7 @@ def test_the_same_contract_holds_for_an_unprivileged_host_process(tmp_path):
         pkg = os.path.join(top, "agentpkg")
         os.makedirs(pkg)
         open(os.path.join(pkg, "__init__.py"), "w").close()
-        for name in ("sandbox.py", "layers.py", "seccomp.py", "agentd.py", "toolbox.py", "toolbox_apps.py"):
+        for name in ("sandbox.py", "layers.py", "proc.py", "seccomp.py", "agentd.py", "toolbox.py", "toolbox_apps.py"):
             src = os.path.join(sandbox_mod.AGENT_DIR, name)
             if os.path.exists(src):
                 shutil.copy(src, pkg)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import subprocess
 import tempfile
@@ -43,11 +42,11 @@ import weakref
 from dataclasses import dataclass, fields, replace
 
 from .layers import MAX_LAYERS, LayerStore, new_id, rmtree
+from .proc import HOLDER, children, drain_to_eof, kill, read_line, signal_pid
 
 AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 AGENT_FILES = ("agentd.py", "toolbox.py", "toolbox_apps.py")  # bound read-only at /opt/openk3 inside
 PYTHON = "/usr/bin/python3"  # the system interpreter: the only one inside the sandbox's /usr view
-REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", "TERM": "dumb",
             "USER": "agent", "LOGNAME": "agent"}
 
@@ -286,7 +285,7 @@ class Sandbox:
         """Host pid of the in-sandbox agent (pid 1 of the sandbox's PID namespace), while it runs."""
         if self.pid is None:
             return None
-        agents = [a for b in _children(self.pid) for a in _children(b)]
+        agents = [a for b in children(self.pid) for a in children(b)]
         return agents[0] if agents else None
 
     # ---- process management -----------------------------------------------------------------------------
@@ -311,7 +310,7 @@ class Sandbox:
                  f"--cpu={int(lim.cpu_seconds)}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
                  "--core=0", "--",
                  "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--",
-                 "/bin/sh", "-c", _HOLDER, "sh", str(lim.workspace_bytes), str(lim.workspace_inodes), t,
+                 "/bin/sh", "-c", HOLDER, "sh", str(lim.workspace_bytes), str(lim.workspace_inodes), t,
                  self.store.saved_path(self.id), self.store.lowerdir(self.layers), mnt, "--"]
         bpf = seccomp.filter_bpf()
         sfd = os.memfd_create("openk3-seccomp")
@@ -375,13 +374,13 @@ class Sandbox:
         if proc.poll() is None:
             # Killing the agent (pid 1 of the sandbox's PID namespace) takes every process inside with it;
             # bwrap then exits and the holder, left alone, closes our pipe: EOF = nothing inside runs anymore.
-            for pid in _children(proc.pid):
-                for agent in _children(pid):
-                    _signal(agent, 9)
-            _drain_to_eof(proc.stdout, 10.0)
+            for pid in children(proc.pid):
+                for agent in children(pid):
+                    signal_pid(agent, 9)
+            drain_to_eof(proc.stdout, 10.0)
             if save and proc.poll() is None:
                 self._save_upper(proc.pid)
-        _kill(proc)
+        kill(proc)
 
     def _save_upper(self, holder: int) -> None:
         """Copy the holder's tmpfs upper (whiteouts and opaque-dir xattrs included) to `saved`, atomically."""
@@ -408,7 +407,7 @@ class Sandbox:
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return self._died(proc, "the sandbox agent is not running")
-        line = _read_line(proc.stdout, wait)
+        line = read_line(proc.stdout, wait)
         if line is None:
             return self._died(proc, f"no reply from the sandbox agent within {wait:.0f} s", timed_out=True)
         if not line:
@@ -447,90 +446,10 @@ class Sandbox:
     @staticmethod
     def _cleanup(store: LayerStore, sandbox_id: str, proc_box: list) -> None:
         if proc_box[0] is not None:
-            _kill(proc_box[0])
+            kill(proc_box[0])
             proc_box[0] = None
         store.drop_upper(sandbox_id)
         store.release()
-
-
-# The holder: mounts the workspace (a size-capped tmpfs upper over the sealed layers) in the private mount
-# namespace `unshare` made, runs bwrap, and then stays alive holding that namespace, with our pipe closed,
-# until the host has copied the upper out and kills it. Arguments: bytes inodes tmpfs saved lowerdir mnt -- bwrap...
-_HOLDER = r"""set -e
-q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6
-shift 7
-mount -t tmpfs -o "size=$q,nr_inodes=$n,mode=0755" openk3-workspace "$t"
-mkdir "$t/up" "$t/wk"
-if [ -d "$saved" ]; then cp -a "$saved/." "$t/up/"; fi
-mount -t overlay overlay -o "userxattr,lowerdir=$lower,upperdir=$t/up,workdir=$t/wk" "$mnt"
-set +e
-"$@"
-exec sleep infinity </dev/null >/dev/null 2>&1
-"""
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _drain_to_eof(stream, wait: float) -> None:
-    deadline = time.monotonic() + wait
-    fd = stream.fileno()
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if sel.select(timeout=left) and not os.read(fd, 1 << 16):
-                return
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        proc.kill()
-    except ProcessLookupError:
-        pass
-    for stream in (proc.stdin, proc.stdout):
-        try:
-            stream.close()
-        except OSError:
-            pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-def _read_line(stream, wait: float) -> bytes | None:
-    """One reply line within `wait` seconds: None on timeout, b"" at EOF; capped at REPLY_CAP."""
-    deadline = time.monotonic() + wait
-    buf = bytearray()
-    fd = stream.fileno()
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return None
-            if not sel.select(timeout=left):
-                continue
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return b""
-            buf += chunk
-            if b"\n" in buf:
-                return bytes(buf[: buf.index(b"\n")])
-            if len(buf) > REPLY_CAP:
-                return b"\0"  # not JSON: treated as a protocol error
 
 
 def _valid_run_reply(r: dict) -> bool:

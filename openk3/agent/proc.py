@@ -1,0 +1,93 @@
+"""Process plumbing of a sandbox: the holder script, finding its processes, reading the agent's pipe.
+
+Kept apart from `sandbox.py` (the contract and the state) because none of it is about what a sandbox is,
+only about driving the processes that make one. Stdlib only: it runs as an unprivileged user too.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import time
+
+REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
+
+# The holder: mounts the workspace (a size-capped tmpfs upper over the sealed layers) in the private mount
+# namespace `unshare` made, runs bwrap, and then stays alive holding that namespace, with our pipe closed,
+# until the host has copied the upper out and kills it. Arguments: bytes inodes tmpfs saved lowerdir mnt -- bwrap...
+HOLDER = r"""set -e
+q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6
+shift 7
+mount -t tmpfs -o "size=$q,nr_inodes=$n,mode=0755" openk3-workspace "$t"
+mkdir "$t/up" "$t/wk"
+if [ -d "$saved" ]; then cp -a "$saved/." "$t/up/"; fi
+mount -t overlay overlay -o "userxattr,lowerdir=$lower,upperdir=$t/up,workdir=$t/wk" "$mnt"
+set +e
+"$@"
+exec sleep infinity </dev/null >/dev/null 2>&1
+"""
+
+
+def children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def drain_to_eof(stream, wait: float) -> None:
+    deadline = time.monotonic() + wait
+    fd = stream.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if sel.select(timeout=left) and not os.read(fd, 1 << 16):
+                return
+
+
+def kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            stream.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def read_line(stream, wait: float) -> bytes | None:
+    """One reply line within `wait` seconds: None on timeout, b"" at EOF; capped at REPLY_CAP."""
+    deadline = time.monotonic() + wait
+    buf = bytearray()
+    fd = stream.fileno()
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            if not sel.select(timeout=left):
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return b""
+            buf += chunk
+            if b"\n" in buf:
+                return bytes(buf[: buf.index(b"\n")])
+            if len(buf) > REPLY_CAP:
+                return b"\0"  # not JSON: treated as a protocol error
