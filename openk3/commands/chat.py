@@ -18,6 +18,14 @@ Lines starting with `/` are commands:
 
 A plain message while tool calls are pending leaves them unanswered. Notes (errors, hints, --verbose
 figures) go to stderr, so stdout carries only the conversation.
+
+With `--sandbox` the model gets the agent's tools (Shell, ReadFile, WriteFile, StrReplaceFile, Glob, Grep,
+the key-value store, SQL) in a fresh sandbox (`openk3.agent.env.SandboxEnv`: an empty /workspace, no network)
+and runs them itself: each call is printed, checked by the default policy (allow-list, schemas, path
+rules, approval rules), run, and its result printed as `[result ID] ...`; the model continues until it
+answers without calling a tool. A call an approval rule marks "ask" (rm -r, curl, git push, DROP TABLE,
+...) waits for a line `y` (run it), `a` (always, for that rule, this session) or anything else (refuse;
+the model sees the refusal); `--approve auto` answers y. /reset starts a fresh sandbox.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 from openk3.commands.generate import add_checkpoint_arguments, add_sampling_arguments
 
@@ -48,6 +57,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-thinking", action="store_true", help="answer directly, without the thinking channel")
     p.add_argument("--tools", default=None, metavar="FILE.json",
                    help="OpenAI tools list (JSON list, or an object with a 'tools' list) the model may call")
+    p.add_argument("--sandbox", action="store_true",
+                   help="give the model the agent tools in a sandbox (Shell, files, KV, SQL); it runs them itself")
+    p.add_argument("--approve", default="ask", choices=["ask", "auto"],
+                   help="with --sandbox: ask before calls an approval rule marks risky (default), or run them")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="after each answer, print tokens, speed, finish reason and parser problems to stderr")
     add_sampling_arguments(p, max_tokens=1024)
@@ -125,10 +138,10 @@ class Printer:
         self.mode = None
 
 
-def _read_line(tty: bool) -> str | None:
+def _read_line(tty: bool, prompt: str = "you> ") -> str | None:
     if tty:
         try:
-            return input("you> ")
+            return input(prompt)
         except EOFError:
             return None
     line = sys.stdin.readline()
@@ -144,6 +157,14 @@ def main(args: argparse.Namespace) -> int:
 
     from openk3.commands.generate import build_llm, sampling_params
 
+    if args.sandbox and args.tools:
+        raise ValueError("--tools and --sandbox do not mix: --sandbox declares the agent's own tools")
+    if args.sandbox:  # before the (slower) model load
+        from openk3 import agent
+
+        why = agent.unavailable_reason()
+        if why is not None:
+            raise ValueError(f"--sandbox: cannot start a sandbox on this host: {why}")
     tools = load_tools(args.tools) if args.tools else None
     params = sampling_params(args)
     thinking = not (args.no_thinking or args.effort == "none")
@@ -151,6 +172,9 @@ def main(args: argparse.Namespace) -> int:
     llm = build_llm(args)
     if llm.tokenizer is None:  # pragma: no cover - a path always comes with a tokenizer
         raise ValueError("chat needs a tokenizer")
+    if args.sandbox:
+        return sandbox_chat(llm, params, effort=effort or "none", system=args.system, approve=args.approve,
+                            verbose=args.verbose)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(base)
     pending: dict[str, str] = {}  # tool call id -> tool name, awaiting a /tool answer
@@ -233,4 +257,97 @@ def main(args: argparse.Namespace) -> int:
             codes = ", ".join(sorted({p["code"] for p in result.problems})) or "none"
             _note(f"[{len(result.prompt_token_ids)} prompt + {n} generated tokens in {dt:.2f} s "
                   f"({n / max(dt, 1e-9):.1f} tok/s); finish: {result.finish_reason}; parser problems: {codes}]")
+    return 0
+
+
+def approval_prompt(read: Callable[[], str | None]) -> Callable:
+    """The policy's approval hook for a terminal: one line, y / a (always) / anything else = refuse."""
+    answers = {"y": "approve", "yes": "approve", "a": "approve_for_session", "always": "approve_for_session"}
+
+    def hook(call) -> str:
+        _note(f"[approve {call.name} (rule {call.rule_id})? y = run it, a = always for this rule, n = refuse]")
+        line = read()
+        return answers.get((line or "").strip().lower(), "reject")
+
+    return hook
+
+
+def format_result(rec: dict) -> str:
+    """`[result ID] OUTPUT` for a call's record (env.step's info["calls"])."""
+    return f"[result {rec['id']}] {rec['output']}\n"
+
+
+def sandbox_chat(llm, params, *, effort: str, system: str | None, approve: str, verbose: bool = False,
+                 max_turns: int = 32) -> int:
+    """The `--sandbox` REPL: each user line starts an agent loop (`run_episode` on the env's conversation)
+    that ends when the model answers without a tool call, or after `max_turns` tool turns."""
+    import dataclasses
+
+    from openk3.agent import SandboxUnavailable
+    from openk3.agent.env import CHAT_TOOLS, SandboxEnv
+    from openk3.agent.episode import run_episode
+    from openk3.agent.policy import Policy
+
+    tty_in = sys.stdin.isatty()
+    read = (lambda: _read_line(False)) if not tty_in else (lambda: _read_line(True, "approve> "))
+    hook = approval_prompt(read) if approve == "ask" else (lambda call: "approve")
+    env = SandboxEnv(None, llm.tokenizer, policy=Policy(tools=CHAT_TOOLS, approval_hook=hook), effort=effort,
+                     system=system, max_steps=1 << 30, max_tool_seconds=float(1 << 30))
+    printer = Printer(sys.stdout, sys.stdout.isatty())
+    sampling = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+
+    def show(rec: dict) -> None:
+        printer.end()
+        sys.stdout.write(format_result(rec))
+        sys.stdout.flush()
+
+    with env:
+        try:
+            env.reset()
+        except SandboxUnavailable as e:  # a host without user namespaces, bwrap, ...: one line, exit 2
+            raise ValueError(f"--sandbox: {e}") from None
+        if tty_in:
+            _note(f"openk3 chat --sandbox: {llm.path}; tools run in a fresh sandbox; /reset, /history, /exit")
+        while True:
+            try:
+                line = _read_line(tty_in)
+            except KeyboardInterrupt:
+                print(file=sys.stderr)
+                break
+            if line is None or line.strip() in ("/exit", "/quit"):
+                break
+            if not line.strip():
+                continue
+            if line.strip() == "/reset":
+                env.reset()
+                _note("[history cleared; a fresh sandbox]")
+                continue
+            if line.strip() == "/history":
+                print(json.dumps(env.transcript.messages, indent=2, ensure_ascii=False), flush=True)
+                continue
+            if line.startswith("/") and not line.startswith("//"):
+                _note(f"unknown command {line.split()[0]} (with --sandbox: /reset, /history, /exit)")
+                continue
+            mark = env.mark()
+            env.add_user_message(line[1:] if line.startswith("//") else line)
+            try:
+                traj = run_episode(llm, env, reset=False, max_turns=max_turns, on_delta=printer, on_call=show,
+                                   **sampling)
+            except KeyboardInterrupt:
+                printer.end()
+                env.rewind(mark)
+                _note("[interrupted; the exchange is dropped]")
+                continue
+            printer.end()
+            if traj.reason == "turn_not_ended":
+                env.rewind(mark)
+                _note(f"[the answer was cut at --max-tokens {params.max_tokens} or the context limit; "
+                      "the exchange is dropped]")
+            elif traj.reason == "max_turns":
+                _note(f"[stopped after {max_turns} tool turns; say how to go on]")
+            elif traj.reason == "context":
+                env.rewind(mark)
+                _note("[the conversation no longer fits the model's context; /reset starts over]")
+            if verbose:
+                _note(f"[{len(env.ids)} tokens in the conversation; {traj.turns} turns, {len(traj.calls)} calls]")
     return 0
