@@ -7,10 +7,11 @@ process (the in-process contender: no HTTP, no JSON, no streaming), so that the 
 costs (issue 16 item 7: HTTP + streaming overhead <= 10 % of in-process tokens/s at 8 clients).
 
 The server is the real command in its own process (`python -m openk3 serve`, so that the clients do not
-share its interpreter), over a preset's random-weight model saved to a temporary checkpoint with a byte
-tokenizer; or any OpenAI-compatible server already running (`--url`, `--model`), e.g. vLLM or SGLang
-serving K3, for parity. Every request is a streamed `/v1/completions` of exactly `--max-tokens` tokens
-(`ignore_eos`, greedy), so the levels do the same work per request:
+share its interpreter; its engine in a process of its own, the command's default, or with
+`--engine-in-thread` in a thread of the server, the twin), over a preset's random-weight model saved to a
+temporary checkpoint with a byte tokenizer; or any OpenAI-compatible server already running (`--url`,
+`--model`), e.g. vLLM or SGLang serving K3, for parity. Every request is a streamed `/v1/completions` of
+exactly `--max-tokens` tokens (`ignore_eos`, greedy), so the levels do the same work per request:
 
     python benchmarks/bench_serve.py                                  # nano, 1/8/32 clients
     python benchmarks/bench_serve.py --preset small --concurrency 1 8 --requests 32 --max-tokens 64
@@ -25,7 +26,8 @@ line is 1 - (HTTP out tok/s) / (in-process out tok/s).
 
 Prints one table (mean, p50, p90, p99 in ms); nothing asserts on time. OPENK3_BENCH_PROFILE=<path> runs
 the server under cProfile, one profiler per thread, and writes their stats to <path> (the main thread:
-asyncio, HTTP, JSON) and <path>.<thread name> (the engine loop) when it stops, to find where the overhead goes.
+asyncio, HTTP, JSON) and <path>.<thread name> (with --engine-in-thread, the engine loop) when it stops, to
+find where the overhead goes; the engine process (the default) is not profiled.
 """
 
 from __future__ import annotations
@@ -104,14 +106,15 @@ finally:
 """
 
 
-def start_server(ckpt: str, port: int, max_num_seqs: int, threads: int, log) -> subprocess.Popen:
+def start_server(ckpt: str, port: int, max_num_seqs: int, threads: int, log,
+                 engine_in_thread: bool = False) -> subprocess.Popen:
     """`openk3 serve` in its own process; its output goes to the file `log` (a pipe nobody reads could fill
     and stall the server). With $OPENK3_BENCH_PROFILE=<path>, the server runs under cProfile (`PROFILE_BOOTSTRAP`)."""
     profile = os.environ.get("OPENK3_BENCH_PROFILE")
     python = [sys.executable] + (["-c", PROFILE_BOOTSTRAP, profile] if profile else ["-m", "openk3"])
     cmd = python + ["serve", ckpt, "--host", "127.0.0.1", "--port", str(port),
                     "--served-model-name", "bench", "--max-num-seqs", str(max_num_seqs), "--threads", str(threads),
-                    "--log-level", "warning"]
+                    "--log-level", "warning"] + (["--engine-in-thread"] if engine_in_thread else [])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -268,6 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the server and of the in-process engine (default 1)")
     ap.add_argument("--repeats", type=int, default=3, help="runs per level and contender; rows are medians (default 3)")
+    ap.add_argument("--engine-in-thread", action="store_true",
+                    help="the server's engine in a thread of the HTTP process (the twin) instead of its own process")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if (min(args.concurrency) < 1 or args.prompt_len < 1 or args.max_tokens < 1 or (args.requests or 1) < 1
@@ -276,8 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{args.concurrency}, {args.requests}, {args.prompt_len}, {args.max_tokens}, {args.repeats}")
     setup_cpu(args.threads)  # the in-process engine's threads, as the server's --threads
     machine = (machine_line(args.threads) + f"; server and in-process engine threads {args.threads}, "
+               f"server engine in {'a thread' if args.engine_in_thread else 'its own process'}, "
                "clients in one asyncio process")
     result = {"machine": machine, "preset": None if args.url else args.preset, "prompt_len": args.prompt_len,
+              "engine_in_thread": args.engine_in_thread,
               "max_tokens": args.max_tokens, "repeats": args.repeats, "levels": [], "inprocess_levels": []}
     proc = None
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "wb") as log:
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
         if url is None:
             port = free_port()
             ckpt = save_preset(args.preset, os.path.join(tmp, "ckpt"))
-            proc = start_server(ckpt, port, max(args.concurrency), args.threads, log)
+            proc = start_server(ckpt, port, max(args.concurrency), args.threads, log, args.engine_in_thread)
             url, model = f"http://127.0.0.1:{port}", "bench"
             # loaded as `openk3 serve` loads it (same dtype rule, max_num_seqs, no compile), while the server starts
             engine = openk3.LLM(ckpt, max_num_seqs=max(args.concurrency)).engine

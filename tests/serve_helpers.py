@@ -3,12 +3,20 @@ outputs, and a live uvicorn on a free port.
 
 Random weights cannot produce reasoning, content and tool calls on demand, so some requests are
 scripted: a prompt containing `#script:NAME#` has its sampled ids replaced by the ids of SCRIPTS[NAME]
-(the model still runs every step; only `Engine._sample` is wrapped).
+(the model still runs every step; only `Engine._sample` is wrapped). `#script:fail#` makes the sampling
+step raise (a failing engine step).
+
+The servers run the engine as `openk3 serve` does by default, in a process of its own: `scripted_nano`
+is the builder that process calls (a module-level function, so `functools.partial(scripted_nano, ...)`
+pickles), and `gate` (a file path) lets a test hold the engine's steps from the outside: they wait until
+the file exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import socket
 import threading
 import time
@@ -60,13 +68,15 @@ def script_engine(engine: Engine, tok) -> Engine:
             raw = bytes(i for i in req.prompt if i < 256)
             start = raw.rfind(b"#script:")
             name = raw[start + 8:raw.index(b"#", start + 8)].decode() if start >= 0 else None
-            req.script = table[name] if name else None
+            req.script = "fail" if name == "fail" else table[name] if name else None
         return req.script
 
     def sample(reqs, logits):
         toks = original(reqs, logits)
         for i, req in enumerate(reqs):
             script = script_of(req)
+            if script == "fail":
+                raise RuntimeError("injected sampling failure")
             if script is not None:
                 toks[i] = script[min(len(req.out), len(script) - 1)]
         return toks
@@ -75,10 +85,37 @@ def script_engine(engine: Engine, tok) -> Engine:
     return engine
 
 
+def scripted_nano(max_num_seqs: int = 4, gate: str | None = None, script: bool = True, **engine_kw) -> Engine:
+    """The nano engine with the scripted outputs (none with script=False), built in whichever process calls
+    it. `gate`: a file path; every step waits until that file exists (a file, because the engine process
+    shares no memory with the test)."""
+    tok = byte_tokenizer()
+    engine = Engine(nano_model(), tok, max_num_seqs=max_num_seqs, **engine_kw)
+    if script:
+        script_engine(engine, tok)
+    if gate is not None:
+        step = engine.step
+
+        def gated_step():
+            deadline = time.monotonic() + 120
+            while not os.path.exists(gate):
+                assert time.monotonic() < deadline, "the gate never opened"
+                time.sleep(0.005)
+            return step()
+
+        engine.step = gated_step
+    return engine
+
+
+def scripted_builder(max_num_seqs: int = 4, **kw):
+    """`create_app`'s builder of `scripted_nano` (picklable: the engine process calls it)."""
+    return functools.partial(scripted_nano, max_num_seqs, **kw)
+
+
 @contextlib.contextmanager
 def served(app):
     """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL; stops it and joins the thread."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see commands/serve.bind
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -96,8 +133,7 @@ def served(app):
         thread.join(30)
         sock.close()
         assert not thread.is_alive()
-        engine_thread = app.state.openk3.loop._thread
-        assert engine_thread is None or not engine_thread.is_alive()
+        assert app.state.openk3.loop.stopped()  # the engine thread or process has ended
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:

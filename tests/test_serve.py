@@ -5,24 +5,32 @@ Random weights cannot produce reasoning, content and tool calls on demand, so so
 scripted (`#script:NAME#` in the prompt; tests/serve_helpers.py, shared with tests/test_web.py). The
 parser on token ids is what these requests exercise. Everything else runs the real model.
 
-Every server is stopped at the end of its fixture and its threads joined (`served`).
+The servers run the engine as `openk3 serve` does by default, in a process of its own (the builder
+`scripted_builder`); the in-thread twin (`create_app(engine)`) is kept where a test reaches into the engine
+object itself. Every server is stopped at the end of its fixture, its threads joined and its engine
+process gone (`served`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import byte_tokenizer, nano_model, script_engine, scripts, served, wait_until
+from serve_helpers import byte_tokenizer, nano_model, script_engine, scripted_builder, scripts, served, wait_until
 
 import openk3
 from openk3.infer.engine import Engine
-from openk3.infer.llm import LLM
 from openk3.serve import create_app
 
 MODEL = "nano-test"
@@ -41,10 +49,9 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def server(model, tok):
-    llm = LLM(model, tok, max_num_seqs=4)
-    script_engine(llm.engine, tok)
-    app = create_app(llm, served_model_name=MODEL)
+def server():
+    app = create_app(scripted_builder(4), served_model_name=MODEL)
+    assert app.state.openk3.engine is None  # the default: the engine in a process of its own
     with served(app) as url:
         yield url, app.state.openk3
 
@@ -384,7 +391,7 @@ def test_concurrent_requests_share_the_batch(server, client):
 
 def test_disconnect_mid_stream_frees_the_slot(server, client):
     _, state = server
-    cancelled, generated = state.metrics.cancelled, state.engine.stats["generation_tokens"]
+    cancelled, generated = state.metrics.cancelled, state.metrics.generation_tokens
     stream = client.chat.completions.create(model=MODEL, messages=user("#script:long#"), max_tokens=3000,
                                             stream=True)
     for k, _chunk in enumerate(stream):
@@ -392,9 +399,9 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
             break
     assert state.loop.in_flight() == 1
     stream.close()
-    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=5)
+    wait_until(lambda: state.loop.in_flight() == 0 and state.metrics.running == 0, timeout=5)
     assert state.metrics.cancelled == cancelled + 1
-    assert state.engine.stats["generation_tokens"] - generated < 3000  # stopped, not run to its end
+    assert state.metrics.generation_tokens - generated < 3000  # stopped, not run to its end
 
 
 def test_disconnect_before_a_non_streamed_answer_frees_the_slot(server):
@@ -403,11 +410,13 @@ def test_disconnect_before_a_non_streamed_answer_frees_the_slot(server):
     body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
-    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=5)
+    wait_until(lambda: state.loop.in_flight() == 0 and state.metrics.running == 0, timeout=5)
     assert state.metrics.cancelled == cancelled + 1
 
 
-def test_engine_failure_mid_stream(model, tok):
+def test_a_failing_step_fails_its_requests_and_the_engine_thread_goes_on(model, tok):
+    """The in-thread twin: a step that raises fails the request it was generating (an error event after
+    the 200, a 500-class error, not a 503), and the loop keeps serving: /health stays up, later requests complete."""
     engine = script_engine(Engine(model, tok, max_num_seqs=2), tok)
     step, calls = engine.step, []
 
@@ -424,14 +433,82 @@ def test_engine_failure_mid_stream(model, tok):
         with httpx.stream("POST", url + "/v1/completions", json=body) as r:
             events = sse_events(r)
         assert r.status_code == 200 and events[-1] == "[DONE]"
-        assert "device lost" in events[-2]["error"]["message"] and events[-2]["error"]["type"] == "server_error"
+        error = events[-2]["error"]
+        assert "device lost" in error["message"] and error["type"] == "server_error" and error["code"] == "engine_error"
+        assert httpx.get(url + "/health").status_code == 200
+        later = httpx.post(url + "/v1/completions", json={**body, "stream": False, "max_tokens": 5}, timeout=30)
+        assert later.status_code == 200 and later.json()["choices"][0]["text"] == "aaaaa"
+        wait_until(lambda: state_idle(app.state.openk3) and not engine.running and not engine._by_id)
+
+
+def state_idle(state) -> bool:
+    return state.loop.in_flight() == 0 and state.metrics.running == 0 and state.metrics.waiting == 0
+
+
+def test_a_failing_step_fails_only_its_requests():
+    """In the engine process: a request whose sampling raises gets a 500 envelope (`engine_error`); the one
+    running before it, the one waiting behind it and a later one all complete, and the server stays healthy."""
+    app = create_app(scripted_builder(1), served_model_name=MODEL)
+    state = app.state.openk3
+    comp = {"model": MODEL, "max_tokens": 5}
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, prompt: str) -> None:
+        results[name] = httpx.post(url + "/v1/completions", json={**comp, "prompt": prompt}, timeout=60)
+
+    with served(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        body = {**comp, "prompt": "#script:long# first", "max_tokens": 40, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as first:  # holds the one slot
+            lines = first.iter_lines()
+            head = [next(lines)]
+            threads = [threading.Thread(target=post, args=("failing", "#script:fail# x"))]
+            threads[0].start()
+            wait_until(lambda: state.metrics.waiting == 1)
+            threads.append(threading.Thread(target=post, args=("behind", "#script:long# y")))
+            threads[1].start()
+            wait_until(lambda: state.metrics.waiting == 2)
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in (*head, *lines)
+                           if line.startswith("data: {"))
+        assert text == "a" * 40
+        for t in threads:
+            t.join(60)
+        err = _envelope(results["failing"], 500, code="engine_error")
+        assert err["type"] == "server_error" and "injected sampling failure" in err["message"]
+        assert results["behind"].status_code == 200 and results["behind"].json()["choices"][0]["text"] == "aaaaa"
+        assert httpx.get(url + "/health").status_code == 200
+        later = http.post("/v1/completions", json={**comp, "prompt": "#script:long# z"})
+        assert later.status_code == 200 and later.json()["choices"][0]["text"] == "aaaaa"
+        wait_until(lambda: state_idle(state))
+        assert 'openk3:requests_failed_total{model_name="nano-test"} 1' in http.get("/metrics").text
+
+
+def test_engine_process_death_is_503_never_a_hang():
+    app = create_app(scripted_builder(2), served_model_name=MODEL)
+    state = app.state.openk3
+    body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000}
+    with served(app) as url:
+        plain: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: plain.append(httpx.post(url + "/v1/completions", json=body,
+                                                                         timeout=30)))
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            waiter.start()
+            wait_until(lambda: state.metrics.running == 2)
+            os.kill(state.loop.pid, signal.SIGKILL)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "engine_unavailable" and "engine process exited" in error["message"]
+        waiter.join(30)
+        _envelope(plain[0], 503, code="engine_unavailable")
         assert httpx.get(url + "/health").status_code == 503
-        _envelope(httpx.post(url + "/v1/completions", json={**body, "stream": False}), 503, code="engine_unavailable")
+        _envelope(httpx.post(url + "/v1/completions", json=body, timeout=10), 503, code="engine_unavailable")
+        assert state.loop.in_flight() == 0
 
 
-def test_full_queue_is_429(model, tok):
-    engine = script_engine(Engine(model, tok, max_num_seqs=1), tok)
-    app = create_app(engine, served_model_name=MODEL, max_queue=1)
+def test_full_queue_is_429():
+    app = create_app(scripted_builder(1), served_model_name=MODEL, max_queue=1)
     state = app.state.openk3
     body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000, "stream": True}
     with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
@@ -440,7 +517,7 @@ def test_full_queue_is_429(model, tok):
             lines = running.iter_lines()  # kept: a dropped iterator closes the response
             next(lines)
             assert running.status_code == waiting.status_code == 200
-            wait_until(lambda: len(engine.running) == 1 and len(engine.waiting) == 1)
+            wait_until(lambda: state.metrics.running == 1 and state.metrics.waiting == 1)
             r = http.post("/v1/completions", json={**body, "stream": False})
             assert r.status_code == 429
             assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
@@ -506,8 +583,8 @@ def test_sdk_error_classes(client):
     assert e.value.body["param"] == "top_logprobs"
 
 
-def test_api_key(model, tok):
-    app = create_app(Engine(model, tok, max_num_seqs=1), served_model_name=MODEL, api_key="sekrit")
+def test_api_key():
+    app = create_app(scripted_builder(1), served_model_name=MODEL, api_key="sekrit")
     with served(app) as url:
         err = _envelope(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
         assert err["type"] == "authentication_error" and "missing" in err["message"]
@@ -540,6 +617,91 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
     with served(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as c:
         (m,) = c.models.list().data
         assert m.id == "ckpt" and m.model_extra["max_model_len"] == 64
-        assert app.state.openk3.engine.max_num_seqs == 2
+        assert app.state.openk3.loop.max_num_seqs == 2 and app.state.openk3.engine is None  # an engine process
     with pytest.raises(ValueError, match="--max-num-seqs"):
         cmd.build_server(parser.parse_args([str(ckpt), "--max-num-seqs", "0"]))
+    # a failure to load, in the engine process, is the same error the command reports (not a traceback)
+    with pytest.raises((ValueError, OSError), match="nothing"):
+        cmd.build_server(parser.parse_args([str(tmp_path / "nothing")]))
+    server = cmd.build_server(parser.parse_args([str(ckpt), "--engine-in-thread", "--max-num-seqs", "3"]))
+    assert server.config.app.state.openk3.engine.max_num_seqs == 3  # the twin: the engine in this process
+
+
+
+def test_the_listening_socket_sends_small_chunks_at_once():
+    """`openk3 serve` binds its socket itself (to know the port); asyncio turns Nagle off (TCP_NODELAY) only on
+    connections of a socket that says IPPROTO_TCP. With Nagle on, each small SSE chunk waited for the previous
+    one's acknowledgement: a stream's first chunk came ~20 ms late (bench_serve, c=1)."""
+    import asyncio
+    import socket
+
+    from openk3.commands.serve import bind
+
+    async def nodelay_of_accepted() -> int:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                accepted.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP,
+                                                                                   socket.TCP_NODELAY))
+                transport.close()
+
+        sock = bind("127.0.0.1", 0)
+        server = await asyncio.get_running_loop().create_server(Probe, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(accepted, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(nodelay_of_accepted()) == 1
+    with bind("127.0.0.1", 0) as held:  # a port in use is one clear error, not uvicorn's exit
+        with pytest.raises(OSError, match="cannot listen on 127.0.0.1"):
+            bind("127.0.0.1", held.getsockname()[1])
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped by whoever inherited it counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states through /proc")
+def test_the_command_on_port_0_names_its_port_and_leaves_no_orphan_engine(tmp_path, model, tok):
+    """`openk3 serve --port 0` prints the port it bound and its engine's pid (a request sent at once waits in
+    the listen backlog, not refused, while the app starts); killing the server (SIGKILL: no shutdown code
+    runs) ends the engine process too, which sees its inbox close."""
+    ckpt = tmp_path / "ckpt"
+    openk3.save(model, ckpt, dtype=torch.float32)
+    tok.save(str(ckpt))
+    cmd = [sys.executable, "-m", "openk3", "serve", str(ckpt), "--port", "0", "--max-num-seqs", "1",
+           "--log-level", "warning"]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)
+    reader.start()
+    try:
+        wait_until(lambda: any("[serve]" in line for line in lines) or server.poll() is not None, timeout=120)
+        banner = next((line for line in lines if "[serve]" in line), "")
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1 \(engine process (\d+)", banner)
+        assert m, lines
+        url, engine_pid = f"http://127.0.0.1:{m.group(1)}", int(m.group(2))
+        assert int(m.group(1)) != 0 and not _gone(engine_pid), lines
+        r = httpx.post(url + "/v1/completions", json={"model": "ckpt", "prompt": "a", "max_tokens": 2},
+                       headers={"x-request-id": "abc-123"}, timeout=30)
+        assert r.status_code == 200 and r.headers.get("x-request-id") == "abc-123", (r.status_code, r.headers, lines)
+        server.kill()
+        server.wait(30)
+        deadline = time.monotonic() + 15
+        while not _gone(engine_pid):
+            assert time.monotonic() < deadline, f"the engine process {engine_pid} outlived the server: {lines}"
+            time.sleep(0.05)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

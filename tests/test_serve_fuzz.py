@@ -25,9 +25,8 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_helpers import byte_tokenizer, nano_model, served, wait_until
+from serve_helpers import scripted_builder, served, wait_until
 
-from openk3.infer.llm import LLM
 from openk3.serve import chat, completions, create_app, protocol
 
 MODEL = "nano-test"
@@ -37,11 +36,11 @@ FUZZ = settings(max_examples=80, deadline=None, derandomize=True, database=None,
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(LLM(nano_model(), byte_tokenizer(), max_num_seqs=4), served_model_name=MODEL)
+    app = create_app(scripted_builder(4, script=False), served_model_name=MODEL)  # the engine in its own process
     with served(app) as url, httpx.Client(base_url=url, timeout=60) as http:
         state = app.state.openk3
         yield http, state
-        wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=10)
+        wait_until(lambda: state.loop.in_flight() == 0 and state.metrics.running == 0, timeout=10)
 
 
 # ---- values of every JSON type -----------------------------------------------------------------------

@@ -6,7 +6,8 @@ Selenium is given both paths, so Selenium Manager never tries to download a driv
 tests skip, except under CI (the environment variable CI set), where they fail.
 
 What the server saw is checked on the server: `prepare` of openk3.serve.chat is wrapped to record each
-request body, and `Engine.add_request` to record each rendered prompt.
+request body, and the engine loop's `submit` to record each rendered prompt (the engine itself runs in a
+process of its own, as `openk3 serve` runs it by default).
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import json
 import os
 
 import pytest
-from serve_helpers import byte_tokenizer, nano_model, script_engine, served, wait_until
+from serve_helpers import byte_tokenizer, nano_model, script_engine, scripted_builder, served, wait_until
 
 from openk3.infer.engine import Engine
-from openk3.infer.llm import LLM
 from openk3.serve import chat, create_app
 
 try:
@@ -42,25 +42,24 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 @pytest.fixture(scope="module")
 def server():
     """(url, state, seen): a live server with an API key; seen["bodies"] / seen["prompts"] record what it got."""
-    tok = byte_tokenizer()
-    llm = LLM(nano_model(), tok, max_num_seqs=2)
-    engine = script_engine(llm.engine, tok)
     seen = {"bodies": [], "prompts": []}
-    add_request = engine.add_request
-
-    def recording_add_request(prompt, *args, **kwargs):
-        seen["prompts"].append(bytes(i for i in prompt if i < 256))  # the byte ids: the rendered text
-        return add_request(prompt, *args, **kwargs)
 
     def recording_prepare(state, body):
         seen["bodies"].append(json.loads(json.dumps(body)))  # a copy: prepare rewrites messages in place
         return prepare(state, body)
 
-    engine.add_request = recording_add_request
     prepare = chat.prepare
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chat, "prepare", recording_prepare)
-        app = create_app(llm, served_model_name=MODEL, api_key=KEY)
+        app = create_app(scripted_builder(2), served_model_name=MODEL, api_key=KEY)  # the engine in its own process
+        submit = app.state.openk3.loop.submit
+
+        def recording_submit(requests, *args, **kwargs):
+            # the byte ids of the prompt the engine runs: the rendered text
+            seen["prompts"] += [bytes(i for i in prompt if i < 256) for _, prompt, _ in requests]
+            return submit(requests, *args, **kwargs)
+
+        app.state.openk3.loop.submit = recording_submit
         with served(app) as url:
             yield url, app.state.openk3, seen
 
@@ -235,7 +234,7 @@ def test_stop_aborts_the_stream_and_frees_the_slot(server, browser):
     assert state.loop.in_flight() == 1 and browser.find_element(By.ID, "stop").is_enabled()
     browser.find_element(By.ID, "stop").click()
     reply = wait_reply_done(browser, 1)
-    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=10)
+    wait_until(lambda: state.loop.in_flight() == 0 and state.metrics.running == 0, timeout=10)
     assert state.metrics.cancelled == cancelled + 1
     assert reply.find_element(By.CLASS_NAME, "status").text == "stopped"
     assert not browser.find_element(By.ID, "stop").is_enabled()
@@ -244,7 +243,7 @@ def test_stop_aborts_the_stream_and_frees_the_slot(server, browser):
     wait(browser, lambda d: state.loop.in_flight() == 1)
     browser.find_element(By.ID, "input").send_keys(Keys.ESCAPE)
     assert wait_reply_done(browser, 2).find_element(By.CLASS_NAME, "status").text == "stopped"
-    wait_until(lambda: state.loop.in_flight() == 0 and not state.engine.running, timeout=10)
+    wait_until(lambda: state.loop.in_flight() == 0 and state.metrics.running == 0, timeout=10)
     assert state.metrics.cancelled == cancelled + 2
     assert console_errors(browser) == []
 

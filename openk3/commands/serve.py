@@ -3,7 +3,10 @@
 An OpenAI-compatible HTTP server (FastAPI + uvicorn) over one continuous-batching engine: /v1/models,
 /v1/chat/completions, /v1/completions, /health, /metrics (docs/serving.md). MODEL is a checkpoint
 folder or a training run folder, as `openk3 generate --model`. It listens on 127.0.0.1 unless --host
-says otherwise: other machines can reach it only when asked for explicitly.
+says otherwise: other machines can reach it only when asked for explicitly. The engine runs in a process
+of its own (started and stopped with the server); `--engine-in-thread` keeps it in a thread of the HTTP
+process instead (docs/serving.md). With `--port 0` the system picks a free port; the line printed at
+startup names the one bound.
 
     openk3 serve runs/nano --served-model-name nano
     openk3 serve CKPT --host 0.0.0.0 --port 8000 --api-key "$KEY" --max-num-seqs 32
@@ -12,9 +15,11 @@ says otherwise: other machines can reach it only when asked for explicitly.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -47,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (slow first requests, then fewer ms/token; docs/benchmarks.md)")
     p.add_argument("--keep-packed", action="store_true", help="keep MXFP4 experts packed in memory")
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine in a thread of the HTTP process instead of a process of its own (slower: "
+                        "the two then share one interpreter lock; docs/serving.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info)")
 
@@ -82,10 +90,14 @@ def build_server(args: argparse.Namespace):
 
     _check(args)
     setup_cpu(args.threads)
-    llm = LLM(args.model, args.tokenizer, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, compile=args.compile, keep_packed=args.keep_packed)
+    # A partial of the LLM class: picklable, so the engine process can build the engine itself (torch threads,
+    # model load and all); the same arguments build it here with --engine-in-thread.
+    build = functools.partial(LLM, args.model, args.tokenizer, dtype=args.dtype, device=args.device,
+                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                              compile=args.compile, keep_packed=args.keep_packed)
     name = args.served_model_name or Path(args.model).resolve().name
-    app = create_app(llm, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(build, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                     engine_in_thread=args.engine_in_thread, threads=args.threads)
     if not _loopback(args.host):
         log.warning("listening on %s: reachable from other machines%s", args.host,
                     "" if args.api_key else " by anyone (no --api-key)")
@@ -93,9 +105,41 @@ def build_server(args: argparse.Namespace):
     return uvicorn.Server(config)
 
 
+def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """The listening socket, bound here rather than by uvicorn so that the port (the system's pick for 0)
+    is known before serving, and a busy port is one clear error (OSError) instead of uvicorn's exit. It
+    listens at once (uvicorn's default backlog), so that a client that connects as soon as the port is printed
+    waits in the backlog until the app has started instead of being refused."""
+    # IPPROTO_TCP spelled out: asyncio sets TCP_NODELAY only on sockets whose proto says TCP (a plain
+    # socket() says 0), and without it Nagle holds each small SSE chunk until the previous one is acknowledged
+    # (+20 ms to a stream's first chunk, measured); uvicorn's own sockets come from getaddrinfo and say TCP.
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def main(args: argparse.Namespace) -> int:
     server = build_server(args)
-    print(f"[serve] {server.config.app.state.openk3.model_name} on http://{args.host}:{args.port}/v1 "
-          "(Ctrl-C stops)", file=sys.stderr, flush=True)
-    server.run()
+    state = server.config.app.state.openk3
+    try:
+        sock = bind(args.host, args.port)
+    except OSError:
+        state.loop.stop()  # the engine process, already running, must not outlive the command
+        raise
+    port = sock.getsockname()[1]
+    where = "in a thread" if state.engine is not None else f"process {state.loop.pid}"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"[serve] {state.model_name} on http://{host}:{port}/v1 (engine {where}; Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        state.loop.stop()  # a no-op after the lifespan's stop; else (startup failed) the engine process ends here
     return 0

@@ -1,7 +1,9 @@
 """`openk3 serve`: an OpenAI-compatible HTTP server over one continuous-batching engine (docs/serving.md).
 
-    app.py          create_app: routes, API key, lifespan (engine thread)
-    loop.py         EngineLoop: the one thread that drives the Engine; bounded admission
+    app.py          create_app: routes, API key, x-request-id, lifespan (engine process or thread)
+    process.py      EngineProcess: the engine in a process of its own (the default), one message per step
+    engine_main.py  that process's entry point (python -m openk3.serve.engine_main)
+    loop.py         EngineLoop: the engine in a thread (the twin); bounded admission; guarded_step
     outputs.py      per-request collection of engine outputs, SSE framing, disconnect handling
     chat.py         /v1/chat/completions: XTML render, parsing on token ids, content stop strings
     completions.py  /v1/completions: text or token-id prompts

@@ -1,13 +1,20 @@
 """`create_app`: the FastAPI app of `openk3 serve` (an OpenAI-compatible API over one engine).
 
-    app = create_app(openk3.LLM("runs/nano"), served_model_name="nano", api_key=None)
+    app = create_app(functools.partial(openk3.LLM, "runs/nano"), served_model_name="nano")  # engine process
+    app = create_app(openk3.LLM("runs/nano"), served_model_name="nano")   # an in-memory engine: a thread
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Routes: GET /health, GET /v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics, and the
-web chat page: GET / (static/index.html) with its files under GET /static/NAME. With `api_key`, every /v1/*
-route needs `Authorization: Bearer KEY`; /health, /metrics and the page stay open (probes, scrapers, and a
-page that holds no secret: the user types the key into it). The engine thread starts with the app's
-lifespan and stops with it.
+Given a builder (a picklable callable returning an `openk3.LLM` or an `Engine`), the engine is built and
+run in a process of its own (`process.EngineProcess`, started here: create_app returns once the engine is
+ready); given an `LLM` or `Engine`, or `engine_in_thread=True`, it runs in a thread of this process
+(`loop.EngineLoop`).
+
+Every response echoes the request's `x-request-id` header, when it has one. Routes: GET /health, GET
+/v1/models, POST /v1/chat/completions, POST /v1/completions, GET /metrics, and the web chat page: GET /
+(static/index.html) with its files under GET /static/NAME. With `api_key`, every /v1/* route needs
+`Authorization: Bearer KEY`; /health, /metrics and the page stay open (probes, scrapers, and a page that holds
+no secret: the user types the key into it). The engine loop starts delivering with the app's lifespan and
+stops with it (the engine process exits).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from openk3.serve.errors import APIError, bad_request, install_handlers
 from openk3.serve.loop import EngineLoop
 from openk3.serve.metrics import Metrics
 from openk3.serve.outputs import unless_disconnected
+from openk3.serve.process import EngineProcess
 from openk3.serve.protocol import parse_body
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -55,47 +63,75 @@ def _static_files() -> dict[str, bytes]:
                            "with its package data (pyproject.toml [tool.setuptools.package-data])") from e
 
 
+class EchoRequestId:
+    """Echo a client's `x-request-id` header on its response (as vLLM does), to match logs on both sides. A raw
+    ASGI wrapper: it adds one header to the response start and stays out of streamed bodies and disconnects."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        if scope["type"] != "http" or given is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", given)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 @dataclass
 class ServerState:
-    engine: Engine
-    loop: EngineLoop
+    loop: EngineLoop | EngineProcess
     metrics: Metrics
     model_name: str
     api_key: str | None
     created: int
-
-    @property
-    def tok(self):
-        return self.engine.tok
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.cfg.vocab_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+    tok: object
+    vocab_size: int
+    max_model_len: int
+    engine: Engine | None = None  # the engine object when it runs in this process (a thread), else None
 
 
-def create_app(llm_or_engine, served_model_name: str = "openk3", api_key: str | None = None,
-               max_queue: int = 256) -> FastAPI:
-    """The app over an `openk3.LLM` or an `Engine` (with a tokenizer).
+def create_app(engine_source, served_model_name: str = "openk3", api_key: str | None = None,
+               max_queue: int = 256, *, engine_in_thread: bool = False, threads: int | None = None) -> FastAPI:
+    """The app over an engine: `engine_source` is a builder (a picklable callable returning an `openk3.LLM`
+    or an `Engine` with a tokenizer: run in an engine process unless `engine_in_thread`), or an `LLM` or
+    `Engine` already built (run in a thread).
 
     max_queue: requests admitted beyond the engine's `max_num_seqs` running ones; one more is a 429.
+    threads: torch threads of the engine process (`setup_cpu`; None: its default).
     """
-    engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    if not isinstance(engine, Engine):
-        raise TypeError(f"create_app needs an openk3.LLM or an Engine, got {type(llm_or_engine).__name__}")
-    if engine.tok is None:
-        raise ValueError("the server needs a tokenizer: give the LLM or Engine one")
     if not served_model_name:
         raise ValueError("served_model_name must not be empty")
     if api_key is not None and not api_key:
         raise ValueError("api_key must not be empty (None disables the check)")
+    if max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     static = _static_files()
     metrics = Metrics(served_model_name)
-    state = ServerState(engine, EngineLoop(engine, metrics, max_queue=max_queue), metrics, served_model_name,
-                        api_key, int(time.time()))
+    built = getattr(engine_source, "engine", engine_source)
+    if not isinstance(built, Engine) and callable(engine_source) and engine_in_thread:
+        built = getattr(engine_source(), "engine", None)
+        if not isinstance(built, Engine):
+            raise TypeError("the engine builder must return an openk3.LLM or an Engine")
+    if isinstance(built, Engine):
+        if built.tok is None:
+            raise ValueError("the server needs a tokenizer: give the LLM or Engine one")
+        loop = EngineLoop(built, metrics, max_queue=max_queue)
+        state = ServerState(loop, metrics, served_model_name, api_key, int(time.time()), built.tok,
+                            built.cfg.vocab_size, built.max_model_len, built)
+    elif callable(engine_source):
+        proc = EngineProcess(engine_source, metrics, max_queue=max_queue, threads=threads)
+        state = ServerState(proc, metrics, served_model_name, api_key, int(time.time()), proc.info.tok,
+                            proc.info.vocab_size, proc.info.max_model_len)
+    else:
+        raise TypeError("create_app needs an openk3.LLM, an Engine, or a builder of one, got "
+                        f"{type(engine_source).__name__}")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,6 +143,7 @@ def create_app(llm_or_engine, served_model_name: str = "openk3", api_key: str | 
 
     app = FastAPI(title="openk3", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.openk3 = state
+    app.add_middleware(EchoRequestId)
     install_handlers(app)
 
     def authorize(request: Request) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 from openk3.chat import StreamParser, encode_segments, marker_ids_of, render, resolve_thinking
 from openk3.chat.xtml import CLOSE
 from openk3.serve import protocol
-from openk3.serve.errors import APIError, bad_request
+from openk3.serve.errors import bad_request
 from openk3.serve.outputs import Collector, EngineFailed, chat_logprobs, error_frame, new_id, sse
 
 FIELDS = protocol.SAMPLING_FIELDS + (
@@ -298,7 +298,7 @@ async def complete(state, job: dict, model: str) -> dict:
             if out.finished or p.stop.stopped:
                 reasons[k] = p.finish(out.finish_reason or "stop")[1]
     except EngineFailed as e:
-        raise APIError(500, str(e)) from None
+        raise e.api_error() from None
     finally:
         collector.close()
     return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -334,7 +334,7 @@ async def stream(state, job: dict, model: str):
                             yield chunk(k, d)
                         yield chunk(k, {}, reason)
             except EngineFailed as e:
-                yield error_frame(str(e))
+                yield error_frame(e)
             else:
                 if job["common"].include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(job, parsers)})

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 from openk3.serve import protocol
-from openk3.serve.errors import APIError, bad_request
+from openk3.serve.errors import bad_request
 from openk3.serve.outputs import Collector, EngineFailed, completion_logprobs, error_frame, new_id, sse
 
 FIELDS = protocol.SAMPLING_FIELDS + ("logprobs", "prompt", "echo", "suffix", "best_of")
@@ -88,7 +88,7 @@ async def complete(state, job: dict, model: str) -> dict:
             if out.finished:
                 finals[k] = out
     except EngineFailed as e:
-        raise APIError(500, str(e)) from None
+        raise e.api_error() from None
     finally:
         collector.close()
     choices = [{"index": k, "text": job["echo"][k // n] + finals[k].text,
@@ -131,7 +131,7 @@ async def stream(state, job: dict, model: str):
                     if out.delta_text or out.finished:
                         yield chunk(k, out.delta_text, out.finish_reason if out.finished else None)
             except EngineFailed as e:
-                yield error_frame(str(e))
+                yield error_frame(e)
             else:
                 if job["common"].include_usage:
                     yield sse({**head, "choices": [], "usage": _usage(job, generated)})

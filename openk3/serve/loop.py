@@ -10,6 +10,13 @@ Admission is bounded: at most `max_num_seqs + max_queue` requests in flight (run
 more is refused at once with `QueueFull` (the server answers 429) instead of queueing without limit.
 `abort` (a client went away) removes a request that is still in the inbox, or asks the engine to drop it
 at its next step boundary, which frees its slot.
+
+A step that raises fails the requests it was working on (`guarded_step`: they get `StepFailed`, the
+server answers a 500-class error for them) and the loop goes on with the others and with new requests.
+
+This in-thread loop is the twin of `process.EngineProcess` (the engine in its own process, the default
+of `openk3 serve`): `create_app` uses it for an in-memory `LLM` or `Engine`, or when asked to
+(`--engine-in-thread`).
 """
 
 from __future__ import annotations
@@ -34,7 +41,32 @@ class QueueFull(Exception):
 
 
 class LoopDead(Exception):
-    """The engine thread has stopped (shut down, or crashed: the cause is logged)."""
+    """The engine has stopped (shut down, or crashed: the cause is logged). The server answers 503."""
+
+
+class StepFailed(Exception):
+    """The engine step that was generating this request raised (an internal error: the server answers 500)."""
+
+
+def guarded_step(engine: Engine) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
+    """`engine.step()`; when it raises, the requests that step was working on fail, the others keep going.
+
+    Returns the step's outputs and the failed requests' (id, exception). A step that raised may have
+    advanced the running requests' caches without taking their tokens, and may have stopped in the middle
+    of a prefill: those requests (every running one, and a waiting one whose prefill has begun) cannot go on
+    and are aborted (their slots are freed at the next step); requests still waiting untouched keep their
+    place. When no request can be blamed the engine itself is broken, and the exception propagates.
+    """
+    try:
+        return engine.step(), []
+    except Exception as e:
+        hit = [r.id for r in engine.running] + [r.id for r in engine.waiting if r.cache is not None or r.prefilled]
+        if not hit:
+            raise
+        log.exception("an engine step failed: failing its %d request(s), serving the others", len(hit))
+        for rid in hit:
+            engine.abort(rid)
+        return [], [(rid, e) for rid in hit]
 
 
 @dataclass
@@ -81,6 +113,10 @@ class EngineLoop:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def stopped(self) -> bool:
+        """The thread has ended (or never started)."""
+        return self._thread is None or not self._thread.is_alive()
 
     # ---- requests (any thread) ------------------------------------------------------------------
 
@@ -135,10 +171,10 @@ class EngineLoop:
                 for sub in new:
                     self._add(sub)
                 self._step()
-        except BaseException as e:  # a bug or an engine failure: every waiting client hears of it
+        except BaseException as e:  # a broken engine (no request to blame) or a bug: every waiting client hears of it
             self.error = e
             log.exception("the engine loop failed")
-            self._fail_all(e)
+            self._fail_all(LoopDead(f"the engine loop failed ({e!r})"))
         finally:
             with self._cv:
                 self._stopping = True
@@ -155,11 +191,19 @@ class EngineLoop:
     def _step(self) -> None:
         stats = self.engine.stats
         before = stats["generation_tokens"], stats["prompt_tokens"]
-        self.engine.step()
+        _, failed = guarded_step(self.engine)
         self.metrics.step(len(self.engine.running), len(self.engine.waiting),
                           stats["generation_tokens"] - before[0], stats["prompt_tokens"] - before[1])
+        for rid, error in failed:
+            with self._cv:
+                sub = self._live.pop(rid, None)
+            if sub is not None:  # else it finished within the failed step, before the error
+                self.metrics.finished("error")
+                sub.deliver(StepFailed(f"{type(error).__name__}: {error}"))
 
     def _on_output(self, sub: _Submission, out: RequestOutput) -> None:
+        if self._live.get(sub.rid) is not sub:
+            return  # failed already (a step error): its abort output is not news to anyone
         if not sub.first_seen and out.delta_token_ids:
             sub.first_seen = True
             self.metrics.first_token(time.perf_counter() - sub.t_submit)

@@ -1,7 +1,8 @@
 """Server metrics in the Prometheus text format (`GET /metrics`), names prefixed `openk3:` as vLLM's are
 `vllm:` so that dashboards port over (next-agents-serving.md §3.9).
 
-Written by the engine thread, read by the HTTP thread: every update and the rendering hold one lock.
+Written by the engine thread (or, with the engine in its own process, by the event loop as its step
+messages arrive), read by the HTTP thread: every update and the rendering hold one lock.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Metrics:
         self.success: Counter[str] = Counter()  # by finish reason
         self.rejected: Counter[str] = Counter()  # by reason
         self.cancelled = 0
+        self.failed = 0  # requests failed by an engine step that raised
         self._ttft: deque[float] = deque(maxlen=_TTFT_WINDOW)
         self._ttft_sum = 0.0
         self._ttft_count = 0
@@ -61,6 +63,8 @@ class Metrics:
         with self._lock:
             if reason == "abort":
                 self.cancelled += 1
+            elif reason == "error":
+                self.failed += 1
             else:
                 self.success[reason] += 1
 
@@ -110,6 +114,9 @@ class Metrics:
                 "# HELP openk3:requests_cancelled_total Requests aborted (client disconnect, stop string).",
                 "# TYPE openk3:requests_cancelled_total counter",
                 f"openk3:requests_cancelled_total{{{label}}} {self.cancelled}",
+                "# HELP openk3:requests_failed_total Requests failed by an engine error (a step that raised).",
+                "# TYPE openk3:requests_failed_total counter",
+                f"openk3:requests_failed_total{{{label}}} {self.failed}",
                 "# HELP openk3:requests_rejected_total Requests refused before admission, by reason.",
                 "# TYPE openk3:requests_rejected_total counter",
                 f'openk3:requests_rejected_total{{{label},reason="queue_full"}} {self.rejected["queue_full"]}',

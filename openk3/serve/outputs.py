@@ -1,7 +1,8 @@
 """Turning a request's engine outputs into HTTP answers: a streamed SSE body or one JSON object.
 
 `Collector` submits a request's choices (one engine request each) and yields `(choice index, output)`
-from an asyncio queue the engine thread fills. Its `close()` aborts whatever is unfinished: streaming
+from an asyncio queue that the engine loop fills (from the engine thread, or on the event loop itself
+when the engine runs in its own process). Its `close()` aborts whatever is unfinished: streaming
 generators and non-streaming handlers call it in `finally`, so a client that goes away (Starlette
 cancels the response) frees its slots at the next engine step.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
 from openk3.infer.engine import RequestOutput
 from openk3.infer.sample import SamplingParams
 from openk3.serve.errors import APIError
-from openk3.serve.loop import EngineLoop, LoopDead, QueueFull
+from openk3.serve.loop import LoopDead, QueueFull
 
 
 def new_id(prefix: str) -> str:
@@ -28,17 +30,21 @@ def sse(data: dict | str) -> str:
 
 
 class Collector:
-    def __init__(self, loop: EngineLoop, requests: Sequence[tuple[list[int], SamplingParams]], *,
+    def __init__(self, loop, requests: Sequence[tuple[list[int], SamplingParams]], *,
                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> None:
         self.loop = loop
         self.rids = [new_id("req") for _ in requests]
         self.unfinished = set(range(len(requests)))
         self._queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
+        loop_thread = threading.get_ident()
         index = {rid: k for k, rid in enumerate(self.rids)}
 
-        def deliver(out: RequestOutput | BaseException) -> None:  # on the engine thread
+        def deliver(out: RequestOutput | BaseException) -> None:  # on the engine thread or on the event loop
             k = index.get(out.request_id) if isinstance(out, RequestOutput) else None
+            if threading.get_ident() == loop_thread:  # the engine process's outputs: no wake-up needed
+                self._queue.put_nowait((k, out))
+                return
             try:
                 aloop.call_soon_threadsafe(self._queue.put_nowait, (k, out))
             except RuntimeError:  # the event loop is closed: nobody is listening any more
@@ -58,7 +64,7 @@ class Collector:
             k, out = await self._queue.get()
             if isinstance(out, BaseException):
                 self.unfinished.clear()
-                raise EngineFailed(f"generation failed: {out}") from out
+                raise EngineFailed(out) from out
             if k not in self.unfinished:
                 continue  # a choice finished here (a chat stop string) whose engine request ran one step more
             if out.finished:
@@ -126,12 +132,22 @@ def completion_logprobs(tok, token_ids: Sequence[int], entries: Sequence, offset
 
 
 class EngineFailed(Exception):
-    pass
+    """A request's generation failed after admission. `status`/`code`: 503 `engine_unavailable` when the engine
+    is gone (shut down, or its process died: nothing is generating any more), else 500 `engine_error` (the step
+    that generated it raised; other requests go on)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        gone = isinstance(cause, LoopDead)
+        super().__init__(f"{'the engine is unavailable' if gone else 'generation failed'}: {cause}")
+        self.status, self.code = (503, "engine_unavailable") if gone else (500, "engine_error")
+
+    def api_error(self) -> APIError:
+        return APIError(self.status, str(self), code=self.code)
 
 
-def error_frame(message: str) -> str:
+def error_frame(error: EngineFailed) -> str:
     """A mid-stream failure after the 200 was sent: an error event (the openai SDK raises APIError on it)."""
-    return sse({"error": {"message": message, "type": "server_error", "param": None, "code": "engine_error"}})
+    return sse({"error": {"message": str(error), "type": "server_error", "param": None, "code": error.code}})
 
 
 async def watch_disconnect(receive) -> None:

@@ -1,0 +1,9 @@
+"""The engine process's entry point: `python -m openk3.serve.engine_main INBOX_FD OUTBOX_FD`, started by
+`process.EngineProcess` (a module of its own, so that `-m` does not run `process` a second time as __main__)."""
+
+import sys
+
+from openk3.serve.process import _child_main
+
+if __name__ == "__main__":
+    _child_main(int(sys.argv[1]), int(sys.argv[2]))
