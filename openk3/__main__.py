@@ -24,6 +24,8 @@ from pathlib import Path
 COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "train": "pretrain a K3 model (built-in corpus or your data), resumable, with metrics and samples",
+    "rl": "on-policy RL of one (domain, effort) teacher: engine rollouts, think budgets, kimi/grpo losses, resumable",
+    "sft": "fine-tune a checkpoint on chat JSONL (loss on assistant channels only), resumable, with checkpoints",
     "demo": "quick smoke test: build a model, train it on a counting task, check cached decode against full forwards",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
     "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",
@@ -118,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     overrides = getattr(args, "overrides", None)
-    if args.command == "train" and isinstance(overrides, list):
+    if args.command in ("train", "sft") and isinstance(overrides, list):
         overrides += [a for a in rest if "=" in a and not a.startswith("-")]
         rest = [a for a in rest if not ("=" in a and not a.startswith("-"))]
     if rest:

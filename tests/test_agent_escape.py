@@ -275,3 +275,20 @@ def test_x9_many_forks_leave_no_mounts_or_processes():
             assert root.encode() not in open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             pass
+
+
+def test_big_environment_signals_and_bad_bytes_do_not_break_the_agent(sb):
+    # an exported environment bigger than a pipe buffer (64 KiB): the state is read while the command runs
+    # (one variable above 128 KiB could not pass any exec, so `env` cannot report it: such a state is not kept)
+    r = sb.run("export BIG=$(head -c 100000 /dev/zero | tr '\\0' x); echo set", timeout=10)
+    assert r.stdout == "set\n" and not r.timed_out
+    assert sb.run('echo ${#BIG}; unset BIG').stdout == "100000\n"
+    # the agent (pid 1) has handlers for every catchable signal: none of them ends it
+    r = sb.run("for s in INT TERM HUP QUIT USR1 USR2 ALRM PIPE; do kill -$s 1; done; echo sent")
+    assert r.stdout == "sent\n" and sb.run("echo alive").stdout == "alive\n"
+    # undecodable bytes in names and output come back as valid UTF-8 (U+FFFD), never lone surrogates
+    r = sb.run("touch $'bad\\xff.txt'; ls bad*; printf '\\xfe\\n'; rm -f bad*")
+    assert "\ufffd" in r.stdout
+    r.stdout.encode("utf-8")  # strict: raises on a lone surrogate
+    g = sb.tool("Glob", {"pattern": "*"})
+    g["output"].encode("utf-8")

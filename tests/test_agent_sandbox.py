@@ -238,7 +238,11 @@ with Sandbox(files={"a.txt": "1"}) as sb:
     kids[0].run("echo 2 > /workspace/a.txt; rm -f /workspace/gone")
     assert kids[1].run("cat /workspace/a.txt; echo; pwd; echo $K").stdout == "1\n/tmp\nv\n"
     assert kids[0].run("cat /workspace/a.txt").stdout == "2\n"
-    sb.run("rm /workspace/a.txt")
+    sb.run("rm /workspace/a.txt; cd /workspace && mkdir -p locked/in && echo s > locked/in/f && "
+           "chmod 000 locked/in/f locked/in")
+    kids.append(sb.fork(1)[0])  # the copy-out reads what the sandboxed code made unreadable
+    assert kids[-1].run("chmod 755 /workspace/locked/in; chmod 644 /workspace/locked/in/f; "
+                        "cat /workspace/locked/in/f").stdout == "s\n"
     sb.restore(snap)
     assert sb.run("cat /workspace/a.txt").stdout == "1"
     assert sb.run("python3 -c 'import socket; socket.socket()'").exit_code != 0
@@ -263,7 +267,8 @@ def test_the_same_contract_holds_for_an_unprivileged_host_process(tmp_path):
         pkg = os.path.join(top, "agentpkg")
         os.makedirs(pkg)
         open(os.path.join(pkg, "__init__.py"), "w").close()
-        for name in ("sandbox.py", "layers.py", "proc.py", "seccomp.py", "agentd.py", "toolbox.py", "toolbox_apps.py"):
+        for name in ("sandbox.py", "layers.py", "proc.py", "cgroup.py", "seccomp.py", "agentd.py", "toolbox.py",
+                     "toolbox_apps.py"):
             src = os.path.join(sandbox_mod.AGENT_DIR, name)
             if os.path.exists(src):
                 shutil.copy(src, pkg)
@@ -280,3 +285,19 @@ def test_the_same_contract_holds_for_an_unprivileged_host_process(tmp_path):
         assert out.returncode == 0 and "UNPRIVILEGED OK" in out.stdout, out.stderr[-3000:]
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_sandbox_is_available_where_the_host_has_every_piece():
+    """Skips are for hosts that lack a piece (the reason is printed); on a host that has them all, an
+    unavailable sandbox is a bug of ours and must fail, not skip."""
+    import shutil
+
+    pieces = ["bwrap", "unshare", "prlimit", "mount", "setpriv", "nsenter", "cp", "find"]
+    missing = [p for p in pieces if shutil.which(p) is None]
+    try:
+        userns = int(open("/proc/sys/user/max_user_namespaces").read()) > 0
+    except OSError:
+        userns = False
+    if missing or not userns or not os.access("/usr/bin/python3", os.X_OK):
+        pytest.skip(f"host lacks a piece: missing {missing}, user namespaces {'on' if userns else 'off'}")
+    assert WHY is None, WHY

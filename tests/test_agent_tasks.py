@@ -49,7 +49,7 @@ def _sandbox(task, **kw):
 
 
 def test_registry_lists_the_three_families():
-    assert families() == list(ALL)
+    assert set(ALL) <= set(families())
     for name in ALL:
         fam = FAMILIES[name]
         assert not set(fam.templates) & set(fam.heldout_templates)

@@ -34,6 +34,7 @@ import time
 OUTPUT_CAP = 50_000  # characters of stdout + stderr kept per call (head and tail), as kimi-cli
 LINE_CAP = 2_000  # characters per line
 READ_CAP = 8 << 20  # bytes read per stream before the rest is drained unread
+REPLY_CAP = 12 << 20  # bytes of one JSON reply (the host accepts 16 MiB): bigger results become an error reply
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL of a timed-out command
 
 # The EXIT trap runs however the command ends (exit N, end of script, set -e): it reports where the shell
@@ -111,10 +112,15 @@ def run(command: str, timeout: float, cwd: str, env: dict[str, str]) -> dict:
         start_new_session=True, pass_fds=(state_w,),
     )
     os.close(state_w)
-    bufs: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
+    state_f = os.fdopen(state_r, "rb", buffering=0)
+    bufs: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(),
+                                  state_r: bytearray()}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     sel.register(proc.stderr, selectors.EVENT_READ)
+    # the state pipe is read while the command runs too: a big exported environment would otherwise fill
+    # the pipe and block the EXIT trap, and the command would never end
+    sel.register(state_f, selectors.EVENT_READ)
     timed_out = False
     deadline = t0 + timeout
     term_at = None
@@ -137,16 +143,11 @@ def run(command: str, timeout: float, cwd: str, env: dict[str, str]) -> dict:
         while _read_into(key.fileobj, bufs, sel):
             pass
     sel.close()
-    state = bytearray()
-    while True:
-        chunk = os.read(state_r, 1 << 16)
-        if not chunk or len(state) > (4 << 20):
-            break
-        state += chunk
-    os.close(state_r)
+    state = bufs[state_r]
+    state_f.close()
     new_cwd, new_env = cwd, env
     parts = bytes(state).split(b"\0")
-    if len(parts) >= 2:
+    if len(parts) >= 2 and len(state) < READ_CAP:  # a state cut at the cap is not trusted: keep the old one
         new_cwd = parts[0].decode("utf-8", "replace")
         new_env = {}
         for item in parts[1:]:
@@ -206,9 +207,42 @@ def _undumpable() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
 
 
+def _clean(value):
+    """Strings as valid UTF-8: file names and outputs can carry undecodable bytes (lone surrogates after
+    Python's surrogateescape), which would break any strict UTF-8 consumer downstream."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_clean(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _encode(reply: dict) -> str:
+    text = json.dumps(_clean(reply))
+    if len(text) > REPLY_CAP:
+        text = json.dumps({"ok": False, "output": "", "data": {},
+                           "error": f"the result is too large to return ({len(text)} bytes of JSON; the limit is "
+                                    f"{REPLY_CAP}): ask for less (fewer rows, a smaller range)"})
+    return text
+
+
+def _ignore_signals() -> None:
+    """As pid 1 of its namespace the agent gets only signals it handles. Python handles SIGINT (and would
+    raise KeyboardInterrupt), so every catchable signal gets a handler that does nothing: `kill -INT 1` from
+    inside cannot end the agent. Handlers, unlike SIG_IGN, are reset at exec, so commands get the defaults."""
+    import signal as sig
+
+    for s in (sig.SIGINT, sig.SIGTERM, sig.SIGHUP, sig.SIGQUIT, sig.SIGUSR1, sig.SIGUSR2, sig.SIGALRM,
+              sig.SIGPIPE, sig.SIGTSTP, sig.SIGTTIN, sig.SIGTTOU, sig.SIGVTALRM, sig.SIGPROF, sig.SIGWINCH):
+        sig.signal(s, lambda *_: None)
+
+
 def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     _undumpable()
+    _ignore_signals()
     out = sys.stdout
     for line in sys.stdin:
         try:
@@ -227,7 +261,7 @@ def main() -> None:
                 reply = {"ok": False, "error": f"unknown op {op!r}"}
         except Exception as e:  # a bad request or a tool bug must not kill the agent
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
+        out.write(_encode(reply) + "\n")
         out.flush()
 
 

@@ -30,7 +30,9 @@ import shutil
 import stat
 import threading
 
-MAX_LAYERS = 48  # the lowerdir option must fit in a page; deeper stacks are refused with a clear message
+MAX_LAYERS = 48  # deeper stacks are refused with a clear message (overlay lookups slow down with depth)
+MAX_LOWERDIR = 3000  # bytes of the lowerdir option: the whole mount option string must fit in one 4 KiB page
+OWNER_FILE = "owner"  # "<host pid> <its start time>": a store whose owner is gone is removed at start-up
 
 
 def new_id() -> str:
@@ -68,10 +70,16 @@ class LayerStore:
         self.owner = owner  # (uid, gid) the sandbox processes run as, when the host is root
         self._refs = 0
         self._lock = threading.Lock()
+        # Only the store's owner (and, as root, the sandbox uid) can enter its folders: layers may hold files
+        # the sandboxed code made, which no other local user should reach.
         for sub in ("l", "u", "m", "s"):
             os.makedirs(os.path.join(root, sub), exist_ok=True)
+            os.chmod(os.path.join(root, sub), 0o700)
+            self._chown(os.path.join(root, sub))
         os.chmod(root, 0o711)
         self._chown(root)
+        with open(os.path.join(root, OWNER_FILE), "w") as f:
+            f.write(f"{os.getpid()} {_start_time(os.getpid())}")
 
     # ---- reference counting -----------------------------------------------------------------------
 
@@ -103,8 +111,11 @@ class LayerStore:
             os.makedirs(path)
         for rel, content in (files or {}).items():
             dest = _inside(path, rel)
+            _no_symlink_on_the_way(path, dest, rel)  # base_dir may hold links: never write through one
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            with open(dest, "wb") as f:
+            _no_symlink_on_the_way(path, dest, rel)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
                 f.write(content.encode() if isinstance(content, str) else bytes(content))
         self._chown_tree(path)
         return "base"
@@ -195,6 +206,48 @@ def _inside(root: str, rel: str) -> str:
     if os.path.isabs(norm) or norm in (".", "..") or norm.startswith("../") or "\0" in norm:
         raise ValueError(f"Sandbox(files=): path {rel!r} is outside /workspace")
     return os.path.join(root, norm)
+
+
+def _no_symlink_on_the_way(root: str, dest: str, rel: str) -> None:
+    p = root
+    for part in os.path.relpath(dest, root).split(os.sep):
+        p = os.path.join(p, part)
+        if os.path.islink(p):
+            raise ValueError(f"Sandbox(files=): {rel!r} would be written through the symlink {p!r} of base_dir")
+
+
+def _start_time(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "?"
+
+
+def remove_stale_stores(parent: str) -> int:
+    """Remove `openk3-sb-*` stores whose owning process is gone (a host killed with SIGKILL cannot clean up;
+    its sandboxes died with it, through --pdeathsig). Returns how many were removed."""
+    removed = 0
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith("openk3-sb-")]
+    except OSError:
+        return 0
+    for name in names:
+        root = os.path.join(parent, name)
+        try:
+            with open(os.path.join(root, OWNER_FILE)) as f:
+                pid_s, start = f.read().split()
+            st = os.lstat(root)
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if st.st_uid not in (os.getuid(), 65534) and os.getuid() != 0:
+            continue
+        pid = int(pid_s)
+        if os.path.exists(f"/proc/{pid}") and _start_time(pid) == start:
+            continue  # its owner still runs
+        rmtree(root)
+        removed += 1
+    return removed
 
 
 def _fsync_dir(path: str) -> None:

@@ -7,8 +7,10 @@ only about driving the processes that make one. Stdlib only: it runs as an unpri
 from __future__ import annotations
 
 import os
+import queue
 import selectors
 import subprocess
+import threading
 import time
 
 REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
@@ -27,6 +29,44 @@ set +e
 "$@"
 exec sleep infinity </dev/null >/dev/null 2>&1
 """
+
+
+class _Spawner:
+    """Every sandbox process is forked from this one long-lived thread. The holder asks to be killed when its
+    parent dies (PR_SET_PDEATHSIG, so nothing outlives the host), and Linux fires that when the parent
+    *thread* exits: a sandbox first used from a short-lived worker thread would lose its processes, and the
+    files of its live workspace, when that thread ended."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="openk3-sandbox-spawner", daemon=True)
+                self._thread.start()
+        box: dict = {}
+        done = threading.Event()
+        self._q.put((argv, kwargs, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["proc"]
+
+    def _loop(self) -> None:
+        while True:
+            argv, kwargs, box, done = self._q.get()
+            try:
+                box["proc"] = subprocess.Popen(argv, **kwargs)
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+            finally:
+                done.set()
+
+
+spawn = _Spawner().popen
 
 
 def children(pid: int) -> list[int]:

@@ -41,8 +41,9 @@ import time
 import weakref
 from dataclasses import dataclass, fields, replace
 
-from .layers import MAX_LAYERS, LayerStore, new_id, rmtree
-from .proc import HOLDER, children, drain_to_eof, kill, read_line, signal_pid
+from .cgroup import Cgroup
+from .layers import MAX_LAYERS, MAX_LOWERDIR, LayerStore, new_id, remove_stale_stores, rmtree
+from .proc import HOLDER, children, drain_to_eof, kill, read_line, signal_pid, spawn
 
 AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 AGENT_FILES = ("agentd.py", "toolbox.py", "toolbox_apps.py")  # bound read-only at /opt/openk3 inside
@@ -61,13 +62,16 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Per-sandbox limits. rlimits apply to every process inside (so `memory_bytes` bounds each one's
-    address space and `max_processes` the count); `timeout` is the default wall clock of one `run`."""
+    """Per-sandbox limits. rlimits apply to every process inside (`memory_bytes` bounds each one's address
+    space); where the host lets us create cgroups (root), `max_processes` and `total_memory_bytes` bound the
+    whole sandbox, else `max_processes` is RLIMIT_NPROC, which all sandboxes of one uid share. `timeout` is the
+    default wall clock of one `run`."""
 
     timeout: float = 60.0
     max_timeout: float = 3600.0
     cpu_seconds: int = 600
     memory_bytes: int = 2 << 30
+    total_memory_bytes: int = 4 << 30  # cgroup memory limit of the whole sandbox (when cgroups are available)
     max_processes: int = 256
     file_size_bytes: int = 256 << 20
     open_files: int = 1024
@@ -78,8 +82,10 @@ class Limits:
     def validate(self) -> Limits:
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"Sandbox limit {f.name} must be a positive number, got {v!r}")
+            kinds = (int, float) if f.name in ("timeout", "max_timeout") else (int,)
+            if isinstance(v, bool) or not isinstance(v, kinds) or v <= 0:
+                what = "number" if len(kinds) == 2 else "integer"
+                raise ValueError(f"Sandbox limit {f.name} must be a positive {what}, got {v!r}")
         if self.timeout > self.max_timeout:
             raise ValueError(f"Sandbox limit timeout={self.timeout} exceeds max_timeout={self.max_timeout}")
         if self.max_processes < 8:
@@ -102,19 +108,21 @@ class RunResult:
 
 _probe_lock = threading.Lock()
 _probe_result: dict[tuple, str | None] = {}
+_cleaned: set[str] = set()
+_clean_lock = threading.Lock()  # not _probe_lock: the probe builds a Sandbox while holding that one
 
 
 def unavailable_reason(sandbox_uid: int = 65534) -> str | None:
     """None if sandboxes can run here, else one line naming what is missing (checked once per process)."""
     key = (os.getuid(), sandbox_uid)
     with _probe_lock:
-        if key not in _probe_result:
+        if _probe_result.get(key, "") is not None:  # a failure is probed again next time (it may be transient)
             _probe_result[key] = _probe(sandbox_uid)
         return _probe_result[key]
 
 
 def _probe(sandbox_uid: int) -> str | None:
-    tools = ["bwrap", "unshare", "prlimit", "mount", "setpriv", "cp"]
+    tools = ["bwrap", "unshare", "prlimit", "mount", "setpriv", "nsenter", "cp", "find"]
     for tool in tools:
         if shutil.which(tool) is None:
             hint = "apt-get install bubblewrap" if tool == "bwrap" else "util-linux"
@@ -165,6 +173,7 @@ class Sandbox:
         self.id = new_id()
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
+        self._probing = _probe
         self.sandbox_uid = sandbox_uid
         if _parent is not None:
             self.store, snap_id, self.limits = _parent
@@ -175,7 +184,12 @@ class Sandbox:
             self.limits = replace(Limits(), **limits).validate()
             self.ro_binds = _check_binds(ro_binds or {})
             owner = (sandbox_uid, sandbox_uid) if os.getuid() == 0 else None
-            root = tempfile.mkdtemp(prefix="openk3-sb-", dir=store_dir)
+            parent = store_dir or tempfile.gettempdir()
+            with _clean_lock:
+                if parent not in _cleaned:  # once per process and folder: stores left by a killed host
+                    _cleaned.add(parent)
+                    remove_stale_stores(parent)
+            root = tempfile.mkdtemp(prefix="openk3-sb-", dir=parent)
             self.store = LayerStore(root, owner)
             try:
                 self.layers = [self.store.make_base(files, base_dir)]
@@ -189,7 +203,8 @@ class Sandbox:
         self._closed = False
         # Whatever happens to this object (garbage collection, interpreter exit), its processes die and its
         # folders go.
-        self._proc_box: list = [None]  # the live process, shared with the finalizer (which must not hold self)
+        # the live process and the cgroup, shared with the finalizer (which must not hold self)
+        self._proc_box: list = [None, None]
         self._finalizer = weakref.finalize(self, Sandbox._cleanup, self.store, self.id, self._proc_box)
 
     # ---- context manager ---------------------------------------------------------------------------------
@@ -206,6 +221,8 @@ class Sandbox:
         """Run a shell command in the sandbox (cwd and exported env persist between calls)."""
         if not isinstance(command, str):
             raise ValueError(f"Sandbox.run: command must be a string, got {type(command).__name__}")
+        if "\0" in command:
+            raise ValueError("Sandbox.run: command contains a NUL byte (a shell command cannot carry one)")
         t = self.limits.timeout if timeout is None else timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= self.limits.max_timeout:
             raise ValueError(f"Sandbox.run: timeout must be in (0, {self.limits.max_timeout}], got {timeout!r}")
@@ -233,10 +250,13 @@ class Sandbox:
         Running processes are stopped: they are not part of the state."""
         with self._lock:
             self._check_open()
+            # refuse before anything changes: one more layer must still fit the overlay's option page
+            deeper = [new_id(), *self.layers]
+            if len(deeper) > MAX_LAYERS or len(self.store.lowerdir(deeper)) > MAX_LOWERDIR:
+                raise SandboxError(f"the sandbox has {len(self.layers)} stacked snapshots: no room for another "
+                                   f"(at most {MAX_LAYERS}, and the layer paths must fit {MAX_LOWERDIR} bytes)")
             self._stop()
             self.layers = self.store.seal(self.id, self.layers)
-            if len(self.layers) > MAX_LAYERS:
-                raise SandboxError(f"sandbox has {len(self.layers)} stacked snapshots (max {MAX_LAYERS})")
             self.store.new_upper(self.id)
             return self.store.save_snapshot(self.layers, self.cwd, self.env)
 
@@ -301,12 +321,22 @@ class Sandbox:
         mnt = os.path.join(self.store.root, "m", self.id)
         etc = self._etc_stubs()
         lim = self.limits
-        # setpriv: the holder dies with this process (--pdeathsig), and as root everything runs unprivileged
-        argv = ["setpriv", "--pdeathsig", "KILL"]
+        argv: list[str] = []
+        if self._proc_box[1] is None and os.getuid() == 0:
+            self._proc_box[1] = Cgroup.create(f"sb-{os.getpid()}-{self.id}", pids_max=lim.max_processes,
+                                              memory_max=lim.total_memory_bytes)
+        cgroup = self._proc_box[1]
+        if cgroup is not None:  # join the sandbox's cgroups first, while still root, then exec the rest
+            argv += ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 1; shift; done; shift; '
+                     'exec "$@"', "sh", *cgroup.procs_files, "--"]
+        # per-uid RLIMIT_NPROC only where no cgroup counts this sandbox's own processes
+        nproc = [f"--nproc={lim.max_processes}"] if cgroup is None else []
+        # setpriv: the holder dies with the spawner thread (--pdeathsig), and as root everything runs unprivileged
+        argv += ["setpriv", "--pdeathsig", "KILL"]
         if os.getuid() == 0:
             argv += [f"--reuid={self.sandbox_uid}", f"--regid={self.sandbox_uid}", "--clear-groups"]
         argv += ["--",
-                 "prlimit", f"--nproc={lim.max_processes}", f"--as={lim.memory_bytes}",
+                 "prlimit", *nproc, f"--as={lim.memory_bytes}",
                  f"--cpu={int(lim.cpu_seconds)}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
                  "--core=0", "--",
                  "unshare", "--user", "--map-root-user", "--mount", "--propagation", "private", "--",
@@ -344,9 +374,8 @@ class Sandbox:
         log_path = os.path.join(self.store.root, "u", self.id, "log")
         with open(log_path, "wb") as log:
             try:
-                self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, pass_fds=(sfd,),
-                                              close_fds=True)
+                self._proc = spawn(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                   env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, pass_fds=(sfd,), close_fds=True)
             finally:
                 os.close(sfd)
         self._proc_box[0] = self._proc
@@ -371,25 +400,35 @@ class Sandbox:
         self._proc_box[0] = None
         if proc is None:
             return
-        if proc.poll() is None:
-            # Killing the agent (pid 1 of the sandbox's PID namespace) takes every process inside with it;
-            # bwrap then exits and the holder, left alone, closes our pipe: EOF = nothing inside runs anymore.
-            for pid in children(proc.pid):
-                for agent in children(pid):
-                    signal_pid(agent, 9)
-            drain_to_eof(proc.stdout, 10.0)
-            if save and proc.poll() is None:
-                self._save_upper(proc.pid)
-        kill(proc)
+        try:
+            if proc.poll() is None:
+                # Killing the agent (pid 1 of the sandbox's PID namespace) takes every process inside with it;
+                # bwrap then exits and the holder, left alone, closes our pipe: EOF = nothing inside runs.
+                for pid in children(proc.pid):
+                    for agent in children(pid):
+                        signal_pid(agent, 9)
+                drain_to_eof(proc.stdout, 10.0)
+                if save and proc.poll() is None:
+                    self._save_upper(proc.pid)
+        finally:
+            kill(proc)  # whatever happened above, nothing of this incarnation outlives it
 
     def _save_upper(self, holder: int) -> None:
-        """Copy the holder's tmpfs upper (whiteouts and opaque-dir xattrs included) to `saved`, atomically."""
-        src = f"/proc/{holder}/root{os.path.join(self.store.root, 'u', self.id, 't', 'up')}"
+        """Copy the holder's tmpfs upper (whiteouts and opaque-dir xattrs included) to `saved`, atomically.
+        The copy runs inside the holder's user and mount namespaces (nsenter), as the namespace's root: it
+        reads files the sandboxed code made unreadable (chmod 000) even when the host is an ordinary user,
+        and writes them owned by the sandbox's uid. Set-user/group-id bits are dropped: a layer must not hold
+        a setuid binary of the sandbox uid for a local user to run."""
+        src = os.path.join(self.store.root, "u", self.id, "t", "up")
         saved = self.store.saved_path(self.id)
         tmp = saved + ".new"
         rmtree(tmp)
-        r = subprocess.run(["cp", "-a", "--", src, tmp], capture_output=True, text=True,
-                           env={"PATH": "/usr/bin:/bin"})
+        script = 'cp -a -- "$1" "$2" && find "$2" -perm /6000 ! -type l -exec chmod ug-s {} +'
+        # An ordinary user keeps its credentials (its uid is the namespace's root; setgroups is denied there);
+        # root becomes the namespace's root, i.e. the sandbox uid, so the copies belong to that uid.
+        keep = ["--preserve-credentials"] if os.getuid() != 0 else []
+        r = subprocess.run(["nsenter", f"--target={holder}", "--user", "--mount", *keep, "--", "/bin/sh", "-c",
+                            script, "sh", src, tmp], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
         if r.returncode != 0:
             rmtree(tmp)
             raise SandboxError(f"could not save the sandbox's workspace: {r.stderr.strip()[-500:]}")
@@ -407,7 +446,13 @@ class Sandbox:
             proc.stdin.flush()
         except (BrokenPipeError, OSError):
             return self._died(proc, "the sandbox agent is not running")
-        line = read_line(proc.stdout, wait)
+        try:
+            line = read_line(proc.stdout, wait)
+        except BaseException:
+            # interrupted (Ctrl-C, a signal handler raising): the reply still in flight would answer the next
+            # request, so this incarnation goes (its files are kept)
+            self._stop(save=True)
+            raise
         if line is None:
             return self._died(proc, f"no reply from the sandbox agent within {wait:.0f} s", timed_out=True)
         if not line:
@@ -433,21 +478,20 @@ class Sandbox:
             pass
         if detail and "failed to start" in why:
             why += f": {detail}"
-        if self._probe_failed(detail):
+        if self._probing and detail:  # the availability probe: the launcher's own complaint names the cause
             raise SandboxUnavailable(f"cannot start a sandbox on this host: {detail}")
+        if detail and not why.endswith(detail):
+            why += f" (launcher: {detail.splitlines()[-1][:300]})"
         return {"ok": False, "error": why, "timed_out": timed_out}
-
-    @staticmethod
-    def _probe_failed(detail: str) -> bool:
-        # Errors that mean the host cannot sandbox at all (not something the sandboxed code did).
-        markers = ("bwrap:", "unshare:", "mount:", "setpriv:", "prlimit:")
-        return any(detail.startswith(m) or f"\n{m}" in detail for m in markers)
 
     @staticmethod
     def _cleanup(store: LayerStore, sandbox_id: str, proc_box: list) -> None:
         if proc_box[0] is not None:
             kill(proc_box[0])
             proc_box[0] = None
+        if proc_box[1] is not None:
+            proc_box[1].remove()
+            proc_box[1] = None
         store.drop_upper(sandbox_id)
         store.release()
 
