@@ -1,0 +1,335 @@
+"""On-policy RL for one (domain, effort) cell: a teacher of issue 18's stage 2 (background §3.5).
+
+    rl(RLConfig(model="runs/sft", domain="general", effort="high", steps=200), "runs/t-general-high")
+
+Each step:
+1. draw `prompts_per_step` problems of the cell (`rl_problems.ProblemSource`: deterministic in (seed, step),
+   with the step's think budget, annealed when `budget_from_effort` is set);
+2. sample `group_size` trajectories per problem through the inference `Engine` (`rollout.rollout`), which
+   runs on the very modules being trained, so every step samples from the weights the last optimizer
+   step wrote; each sampled token keeps its behaviour log-prob;
+3. reward = the verifier's task reward, or -1 over the think budget, or 0 on a format failure;
+4. the trainer's forward in float32 over the full sequences gives the log-probs of the generated tokens
+   (at the sampling temperature); env, tool and prompt tokens carry no loss;
+5. the loss: `kimi` (K2's policy-mirror-descent square, `losses.kimi_pmd_loss`, with pi_old = the sampler's
+   log-probs, so the tau * log-ratio term carries any sampler/trainer mismatch) or `grpo`
+   (`losses.grpo_loss`: group baseline, PPO clip-higher, token mean over the batch's generated tokens,
+   importance weights between the sampler's and the trainer's log-probs, `is_mode`);
+6. one optimizer step (Muon for matrices + AdamW, `openk3.train.optim`); the router's selection bias
+   (Quantile Balancing) is a buffer no RL step touches: it stays frozen (background §5.3).
+
+Logged per step to <out>/metrics.jsonl: reward, task reward, over-budget and format-failure rates, think
+length (mean, p90), budget, entropy of the trainer's distribution on generated tokens, mismatch KL
+(sampler vs trainer), zero-variance-group fraction, loss, gradient norm, the loss's own stats, timings.
+<out>/rollouts/step_NNNNNN.jsonl keeps the step's rollout records. Checkpoints (<out>/checkpoints, release
+format + trainer_state.pt: optimizer, step, config, RNG) are atomic; a killed run resumes from the last one
+and continues exactly as the uninterrupted run would (problems and sampler seeds depend on the step only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openk3.chat import THINKING_EFFORTS
+from openk3.fsutil import read_json, write_atomic
+from openk3.posttrain import losses
+from openk3.posttrain.budget import B_FLOOR, BudgetConfig
+from openk3.posttrain.records import DOMAINS, SPLITS
+from openk3.posttrain.rl_problems import ProblemSource
+from openk3.posttrain.rollout import RESPONSE_CAP, RolloutConfig, rollout
+
+LOSSES = ("kimi", "grpo")
+CONFIG_FILE = "rl_config.json"
+#: Settings a resumed run may change (they do not alter what the finished steps computed).
+RESUMABLE_CHANGES = ("steps", "save_every", "model")  # a resume reads the run's own checkpoint, not --model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    model: str = ""  # the starting checkpoint (SFT, or the previous effort's teacher when annealing)
+    domain: str = "general"
+    effort: str = "high"
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    loss: str = "kimi"
+    lr: float = 1e-5
+    # kimi
+    tau: float = 1.0
+    # grpo
+    baseline: str = "mean"
+    std: str = "batch"  # DLER / REINFORCE++-baseline: preferred with budget truncation (background §2.3)
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    is_mode: str = "tis"
+    is_bounds: tuple[float, float] = (0.5, 2.0)
+    # sampling and budgets
+    temperature: float = 1.0
+    response_cap: int = RESPONSE_CAP
+    max_turns: int = 8
+    budget_from_effort: str | None = None
+    anneal_fraction: float = 0.5
+    b_floor: int = B_FLOOR
+    split: str = "train"
+    # loop
+    seed: int = 0
+    grad_clip: float | None = 1.0
+    save_every: int = 10
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"rl {field} must be {rule}, got {getattr(self, field)!r}")
+
+        for field, allowed in (("domain", DOMAINS), ("effort", THINKING_EFFORTS), ("loss", LOSSES),
+                               ("split", SPLITS), ("baseline", losses.BASELINES), ("std", losses.STD_MODES),
+                               ("is_mode", losses.IS_MODES)):
+            if getattr(self, field) not in allowed:
+                raise bad(field, f"one of {list(allowed)}")
+        if self.budget_from_effort is not None and self.budget_from_effort not in THINKING_EFFORTS:
+            raise bad("budget_from_effort", f"one of {list(THINKING_EFFORTS)} or None")
+        for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 2), ("response_cap", 1),
+                             ("max_turns", 1), ("b_floor", 0), ("save_every", 1), ("max_num_seqs", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(field, f"an integer >= {least}")
+        for field in ("lr", "tau", "temperature"):
+            if not getattr(self, field) > 0:
+                raise bad(field, "> 0")
+        if not 0 < self.anneal_fraction <= 1:
+            raise bad("anneal_fraction", "in (0, 1]")
+        object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "rl config") -> RLConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{source}: unknown rl settings {unknown}")
+        return cls(**d)
+
+
+# ---- batches and log-probs ---------------------------------------------------------------------------
+
+
+def make_batch(records: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded tensors of a step's records, aligned on *targets* (position t scores token t + 1):
+    ids_BT [B, T], mask_BT [B, T-1] (1 where token t+1 was sampled by the policy), behaviour_BT [B, T-1]
+    (its behaviour log-prob there, 0 elsewhere), rewards_B."""
+    T = max(len(r["token_ids"]) for r in records)
+    B = len(records)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T - 1, dtype=torch.bool)
+    behaviour = torch.zeros(B, T - 1, dtype=torch.float32)
+    for b, r in enumerate(records):
+        n = len(r["token_ids"])
+        ids[b, :n] = torch.tensor(r["token_ids"])
+        gen = torch.tensor(r["gen_mask"][1:], dtype=torch.bool)
+        if int(gen.sum()) != len(r["behaviour_logprobs"]) or r["gen_mask"][0]:
+            raise ValueError(f"rollout record {r.get('id')!r}: {len(r['behaviour_logprobs'])} behaviour log-probs "
+                             f"for {sum(r['gen_mask'])} generated tokens")
+        mask[b, :n - 1] = gen
+        behaviour[b, :n - 1][gen] = torch.tensor(r["behaviour_logprobs"], dtype=torch.float32)
+    rewards = torch.tensor([float(r["reward"]) for r in records], dtype=torch.float32)
+    return {"ids_BT": ids, "mask_BT": mask, "behaviour_BT": behaviour, "rewards_B": rewards}
+
+
+def token_logprobs(model, ids_BT: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs of ids[:, 1:] under `model` at `temperature` [B, T-1] with grad, their entropy [B, T-1]
+    detached), in float32 whatever the model's dtype (ratios of bf16 log-probs round badly, §5.3)."""
+    logits = model(ids_BT)[:, :-1].float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)
+    logp = logp_all.gather(-1, ids_BT[:, 1:, None])[..., 0]
+    with torch.no_grad():
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
+    n = int(m.sum())
+    return float(torch.where(m, x, 0).sum() / n) if n else 0.0
+
+
+def compute_loss(cfg: RLConfig, logp: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The step's loss and its stats (see the module docstring, step 5)."""
+    mask, behaviour, rewards = batch["mask_BT"], batch["behaviour_BT"], batch["rewards_B"]
+    if cfg.loss == "kimi":
+        return losses.kimi_pmd_loss(logp, behaviour, mask, rewards, cfg.group_size, tau=cfg.tau)
+    return losses.grpo_loss(logp, logp.detach(), mask, rewards, cfg.group_size, baseline=cfg.baseline, std=cfg.std,
+                            clip_low=cfg.clip_low, clip_high=cfg.clip_high, norm=float(max(int(mask.sum()), 1)),
+                            sampler_logp_BT=behaviour, is_mode=cfg.is_mode, is_bounds=cfg.is_bounds)
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]) if ordered else 0.0
+
+
+def rollout_stats(records: list[dict], group_size: int) -> dict[str, float]:
+    rewards = [r["reward"] for r in records]
+    think = [r["think_tokens"] for r in records]
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    n = len(records)
+    return {
+        "reward": sum(rewards) / n,
+        "task_reward": sum(r["reward_components"]["task"] for r in records) / n,
+        "over_budget_rate": sum(r["think_tokens"] > r["budget_think_tokens"] for r in records) / n,
+        "format_fail_rate": sum(r["reward_components"]["format"] == 0 for r in records) / n,
+        "think_mean": sum(think) / n,
+        "think_p90": _p90(think),
+        "budget_mean": sum(r["budget_think_tokens"] for r in records) / n,
+        "gen_tokens_mean": sum(sum(r["gen_mask"]) for r in records) / n,
+        "zero_variance_frac": sum(max(g) == min(g) for g in groups) / len(groups),
+        "invalid_calls": sum(r["reward_components"]["invalid_calls"] for r in records),
+    }
+
+
+def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_cfg: RolloutConfig,
+            step: int) -> tuple[list[dict], dict]:
+    """One RL step on `problems`: sample (through `engine`, which runs on `model`), reward, score in fp32,
+    loss, optimizer step. Returns the rollout records and the step's metrics (`step` is 0-based; the
+    metrics say step + 1, the number of optimizer steps taken)."""
+    if roll_cfg.group_size != cfg.group_size:
+        raise ValueError(f"rl_step: rollout group_size {roll_cfg.group_size} != the loss's {cfg.group_size}")
+    t0 = time.perf_counter()
+    records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
+    t1 = time.perf_counter()
+    batch = make_batch(records)
+    model.train()
+    logp, entropy = token_logprobs(model, batch["ids_BT"], cfg.temperature)
+    loss, stats = compute_loss(cfg, logp, batch)
+    opt.zero_grad()
+    loss.backward()
+    grad_norm = opt.clip_grad_norm_()
+    opt.step()
+    model.eval()
+    mask = batch["mask_BT"]
+    metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss.detach()),
+               "entropy": _masked_mean(entropy, mask),
+               "mismatch_kl": _masked_mean(batch["behaviour_BT"] - logp.detach(), mask),
+               "grad_norm": float(grad_norm), "lr": cfg.lr,
+               **{f"loss_{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
+               "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1}
+    return records, metrics
+
+
+# ---- the run -----------------------------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    print(f"[rl] {msg}", file=sys.stderr, flush=True)
+
+
+def _tokenizer(folder: Path):
+    from openk3.tokenizer import Tokenizer
+
+    if not (folder / "tiktoken.model").is_file():
+        raise ValueError(f"{folder}: the checkpoint has no tokenizer (tiktoken.model); RL renders prompts and "
+                         "parses answers with the model's own tokenizer")
+    files = {name: str(folder / name) for name in ("tiktoken.model", "tokenizer_config.json")
+             if (folder / name).is_file()}
+    return Tokenizer.from_dir(str(folder)), files
+
+
+def _check_resume(out: Path, cfg: RLConfig) -> RLConfig:
+    """`cfg` for resuming the run in `out` (its starting model as saved), or ValueError naming the settings
+    that changed (any but RESUMABLE_CHANGES: the finished steps were computed with the saved ones)."""
+    saved = RLConfig.from_dict(read_json(out / CONFIG_FILE), str(out / CONFIG_FILE))
+    changed = [f"{k}: {getattr(saved, k)!r} -> {v!r}" for k, v in cfg.to_dict().items()
+               if getattr(saved, k) != v and k not in RESUMABLE_CHANGES]
+    if changed:
+        raise ValueError(f"{out}: resuming a run with changed settings ({'; '.join(changed)}); use a new --out "
+                         f"or the saved settings ({out / CONFIG_FILE})")
+    return dataclasses.replace(cfg, model=saved.model)
+
+
+def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dict], None] | None = None,
+       sandbox_options: dict | None = None) -> dict:
+    """Run (or resume) RL for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics.
+
+    on_step(step, metrics) is called after each step's metrics are logged (before its checkpoint).
+    """
+    import openk3
+    from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.infer.engine import Engine
+    from openk3.train import state as train_state
+    from openk3.train.metrics import MetricsLog, truncate_after
+    from openk3.train.optim import OptimConfig, build_optimizer
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_state.clean_leftovers(out)
+    resumed = train_state.load_latest(out)
+    if resumed is not None:
+        cfg = _check_resume(out, cfg)
+        path, state, model, problems = resumed
+        for p in problems:
+            _say(f"warning: skipped a damaged checkpoint: {p}")
+        start = int(state["step"])
+        tok, tok_files = _tokenizer(path)
+        _say(f"resuming {out} at step {start} from {path.name}")
+    else:
+        if not cfg.model:
+            raise ValueError("no starting model: give --model (a checkpoint folder or a run folder)")
+        folder = resolve_checkpoint(cfg.model).resolve()
+        cfg = dataclasses.replace(cfg, model=str(folder))
+        tok, tok_files = _tokenizer(folder)
+        model = openk3.load(folder, dtype=torch.float32)
+        start, state = 0, None
+    write_atomic(out / CONFIG_FILE, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
+    torch.manual_seed(cfg.seed)
+    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, grad_clip=cfg.grad_clip, qk_clip_tau=None))
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        train_state.set_rng_state(state["rng"])
+    metrics_path = out / "metrics.jsonl"
+    truncate_after(str(metrics_path), start)
+    (out / "rollouts").mkdir(exist_ok=True)
+    budget = BudgetConfig(b_floor=cfg.b_floor, anneal_fraction=cfg.anneal_fraction)
+    source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
+                           budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
+                           sandbox_options=sandbox_options)
+    engine = Engine(model, None, max_num_seqs=min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size),
+                    max_model_len=cfg.max_model_len)
+    roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)
+    bias_before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    last: dict = {}
+
+    def save(step: int) -> None:
+        train_state.save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(),
+                                                       "config": cfg.to_dict(), "rng": train_state.rng_state()},
+                                    extra_files=tok_files)
+
+    with MetricsLog(str(metrics_path)) as log:
+        for step in range(start, cfg.steps):
+            problems = source.draw(step, cfg.prompts_per_step, cfg.steps)
+            try:
+                records, last = rl_step(cfg, model, opt, engine, problems, tok,
+                                        RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
+            finally:
+                source.release(problems)
+            write_atomic(out / "rollouts" / f"{train_state.step_dir_name(step + 1)}.jsonl",
+                         "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+            log.log(last)
+            _say(f"step {step + 1}/{cfg.steps}: reward {last['reward']:.3f}, over budget "
+                 f"{last['over_budget_rate']:.2f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
+            if on_step is not None:
+                on_step(step + 1, last)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                save(step + 1)
+    for name, before in bias_before.items():
+        assert torch.equal(before, model.get_buffer(name)), f"{name} moved during RL (it must stay frozen)"
+    return last
