@@ -292,3 +292,39 @@ def test_big_environment_signals_and_bad_bytes_do_not_break_the_agent(sb):
     r.stdout.encode("utf-8")  # strict: raises on a lone surrogate
     g = sb.tool("Glob", {"pattern": "*"})
     g["output"].encode("utf-8")
+
+
+def _cgroup_or_skip(s: Sandbox) -> None:
+    s.run("true")
+    if s._proc_box[1] is None:
+        pytest.skip("no cgroup to create here (not root, or no pids/memory controllers): sandboxes of one uid "
+                    "share RLIMIT_NPROC and memory is bounded per process only (docs/agents.md)")
+
+
+def test_r1_a_process_bomb_in_one_sandbox_does_not_starve_another():
+    with Sandbox(max_processes=48) as a, Sandbox(max_processes=48) as b:
+        _cgroup_or_skip(a)
+        import time
+
+        t = threading.Thread(target=a.run, args=("for i in $(seq 100); do sleep 3 & done 2>/dev/null; wait",),
+                             kwargs={"timeout": 20})
+        t.start()
+        time.sleep(1.0)  # a is at its process limit now
+        r = b.run("for i in $(seq 30); do sleep 1 & done; ls /proc | grep -cE '^[0-9]+$'; wait")
+        t.join()
+        assert r.error is None and int(r.stdout) >= 31, r  # b's own 30 sleeps all started
+
+
+def test_r2_memory_is_bounded_for_the_whole_sandbox_not_only_per_process():
+    with Sandbox(memory_bytes=512 << 20, total_memory_bytes=384 << 20) as sb:
+        _cgroup_or_skip(sb)
+        code = ("import os\nkids = []\nfor i in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                "        x = bytearray(200 << 20)\n        import time; time.sleep(2); os._exit(0)\n"
+                "    kids.append(pid)\nprint(sorted(os.waitpid(k, 0)[1] & 0x7f for k in kids))")
+        r = _py(sb, code)
+        killed = [int(x) for x in r.stdout.strip().strip("[]").split(",")]
+        # each child fits its own 512 MiB address space; together they exceed the 384 MiB total: the
+        # sandbox's memory cgroup kills some (SIGKILL = 9), the host is untouched
+        assert killed.count(9) >= 2, r
+        assert sb._proc_box[1].oom_killed()
+        assert sb.run("echo alive").stdout == "alive\n"
