@@ -25,6 +25,7 @@ COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "train": "pretrain a K3 model (built-in corpus or your data), resumable, with metrics and samples",
     "rl": "on-policy RL of one (domain, effort) teacher: engine rollouts, think budgets, kimi/grpo losses, resumable",
+    "eval": "evaluate models on every (domain, effort) cell: accuracy, think tokens, compliance; report and plots",
     "sft": "fine-tune a checkpoint on chat JSONL (loss on assistant channels only), resumable, with checkpoints",
     "demo": "quick smoke test: build a model, train it on a counting task, check cached decode against full forwards",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",

@@ -1,0 +1,142 @@
+"""`openk3 eval`: every model on every (domain, effort) cell, with a report and plots (issue 18, item 6).
+
+    openk3 eval --models sft=runs/sft student=runs/student merged=runs/merged-ties \\
+        general/low=runs/t-general-low general/high=runs/t-general-high ... --out runs/eval --n 64 --samples 4
+    openk3 eval --models sft=runs/sft --cells general --n 16 --out runs/eval-sft --temperature 0   # greedy
+    openk3 eval --models forced-max=runs/t-general-max --cells general --prompt-effort max --budget-forcing \
+        --out runs/eval-forced                         # the budget-forcing baseline (background §3.8)
+
+A model name that is a cell ("general/low") is that cell's RL teacher and goes under "teachers" in
+report.json; any other name (sft, student, merged, merged-ties, ...) is a model of its own. Each model is
+evaluated on every chosen cell (`openk3.posttrain.evaluate`); the command writes <out>/report.json
+({"models", "checkpoints", "settings"}), <out>/report.md and the PNG plots, plus the training curves of
+--teacher-metrics / --mopd-metrics files when given. Each finished model is also saved to
+<out>/models/<name>.json, so an interrupted run restarts from the next model (same settings only).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from openk3.posttrain.rollout import RESPONSE_CAP
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from openk3.chat import THINKING_EFFORTS
+    from openk3.posttrain.budget import B_FLOOR
+    from openk3.posttrain.records import SPLITS
+
+    p.add_argument("--models", required=True, nargs="+", metavar="NAME=DIR",
+                   help="checkpoints (or run folders) to evaluate; NAME sft, student, merged, any other word, or a "
+                        "cell D/E for that cell's teacher")
+    p.add_argument("--out", required=True, help="folder for report.json, report.md and the plots")
+    p.add_argument("--cells", default="all",
+                   help="comma-separated cells D/E or domains D (all three efforts); default all nine")
+    p.add_argument("--n", type=int, default=16, help="problems per cell (default 16; the report contract wants "
+                                                     "n >= 16 trajectories per cell)")
+    p.add_argument("--samples", type=int, default=1, help="trajectories per problem (default 1; the background's "
+                                                          "pass@1 is the mean of 4)")
+    p.add_argument("--split", choices=SPLITS, default="test", help="problems' split (default test)")
+    p.add_argument("--seed", type=int, default=0, help="problems and sampling (default 0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default 1.0)")
+    p.add_argument("--think-cap", type=int, default=None,
+                   help="stop a trajectory's thinking after this many tokens, scored 0 (a compute bound; keep it far "
+                        "above the budgets; default: the context limit)")
+    p.add_argument("--response-cap", type=int, default=RESPONSE_CAP,
+                   help=f"tokens per turn after the think channel; more is a format failure (default {RESPONSE_CAP})")
+    p.add_argument("--max-turns", type=int, default=8, help="agent/coding turns (default 8)")
+    p.add_argument("--b-floor", type=int, default=B_FLOOR,
+                   help=f"smallest think budget, as in training (default {B_FLOOR})")
+    p.add_argument("--prompt-effort", choices=THINKING_EFFORTS, default=None,
+                   help="render every cell's prompts with this effort's system message (budgets stay the cell's)")
+    p.add_argument("--budget-forcing", action="store_true",
+                   help="stop thinking at the cell's budget and force the response (general domain only); with "
+                        "--prompt-effort max on the max teacher: the budget-forcing baseline")
+    p.add_argument("--teacher-metrics", nargs="+", default=[], metavar="NAME=FILE",
+                   help="RL teachers' metrics.jsonl files for teacher_rl.png")
+    p.add_argument("--mopd-metrics", default=None, metavar="FILE", help="the MOPD run's metrics.jsonl for "
+                                                                        "mopd_training.png")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="trajectories decoded together (default 32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit per trajectory (default: the model's max_position_embeddings)")
+    p.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{flag}: expected NAME=PATH, got {value!r}")
+        if name in out:
+            raise ValueError(f"{flag}: {name!r} given twice")
+        out[name] = path
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.common import setup_cpu
+    from openk3.fsutil import read_json, write_atomic
+    from openk3.posttrain.budget import BudgetConfig
+    from openk3.posttrain.evaluate import CELLS, evaluate, parse_cells, report_problems, write_report
+
+    setup_cpu(args.threads)
+    models_in = _pairs(args.models, "--models")
+    if "teachers" in models_in:
+        raise ValueError("--models: 'teachers' is the report's group of the nine; name a teacher by its cell "
+                         "(general/low=DIR)")
+    for name in models_in:
+        if "/" in name and name not in CELLS:
+            raise ValueError(f"--models: {name!r} is not a cell (cells: {', '.join(CELLS)})")
+    teacher_metrics = _pairs(args.teacher_metrics, "--teacher-metrics")
+    for what, file in [*teacher_metrics.items(), ("--mopd-metrics", args.mopd_metrics)]:
+        if file is not None and not os.path.isfile(file):  # checked now, not after hours of evaluation
+            raise ValueError(f"{what}: no metrics file {file}")
+    cells = parse_cells(args.cells)
+    budget = BudgetConfig(b_floor=args.b_floor)
+    settings = {"cells": [f"{d}/{e}" for d, e in cells], "n_per_cell": args.n, "samples": args.samples,
+                "split": args.split, "seed": args.seed, "temperature": args.temperature, "think_cap": args.think_cap,
+                "response_cap": args.response_cap, "max_turns": args.max_turns, "b_floor": args.b_floor,
+                "max_model_len": args.max_model_len, "prompt_effort": args.prompt_effort,
+                "budget_forcing": args.budget_forcing}
+    done_dir = os.path.join(args.out, "models")
+    os.makedirs(done_dir, exist_ok=True)
+    models: dict = {}
+    checkpoints: dict = {}
+    for name, path in models_in.items():
+        folder = str(resolve_checkpoint(path))
+        done = os.path.join(done_dir, name.replace("/", "_") + ".json")
+        saved = read_json(done) if os.path.isfile(done) else None
+        if saved is not None and saved.get("settings") == settings and saved.get("checkpoint") == folder:
+            print(f"[eval] {name}: reusing {done}", flush=True)
+            m = saved["metrics"]
+        else:
+            print(f"[eval] {name}: {folder} on {len(cells)} cells x {args.n} problems x {args.samples}", flush=True)
+            m = evaluate(folder, cells, args.n, args.split, args.seed, args.temperature, args.samples,
+                         think_cap=args.think_cap, response_cap=args.response_cap, max_turns=args.max_turns,
+                         budget=budget, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                         prompt_effort=args.prompt_effort, budget_forcing=args.budget_forcing, device=args.device)
+            write_atomic(done, (json.dumps({"settings": settings, "checkpoint": folder, "metrics": m}) + "\n").encode())
+        for d, e in cells:
+            c = m[d][e]
+            print(f"[eval] {name} {d}/{e}: accuracy {c['accuracy']:.3f}, think {c['thinking_tokens']:.1f} "
+                  f"(p90 {c['thinking_tokens_p90']:.0f}), compliance {c['budget_compliance']:.2f}, n {c['n']}",
+                  flush=True)
+        if name in CELLS:
+            models.setdefault("teachers", {})[name] = m
+            checkpoints.setdefault("teachers", {})[name] = folder
+        else:
+            models[name], checkpoints[name] = m, folder
+    write_report(models, checkpoints, args.out, settings=settings, teacher_metrics=teacher_metrics,
+                 mopd_metrics=args.mopd_metrics)
+    missing = report_problems({"models": models, "checkpoints": checkpoints})
+    if missing:  # partial evaluations are legitimate (one model, one domain); the pipeline's contract is not met
+        print(f"[eval] note: not the full issue-18 report ({len(missing)} gaps, e.g. {missing[0]})", flush=True)
+    print(f"[eval] done: {os.path.join(args.out, 'report.json')}, report.md and plots", flush=True)
+    return 0
