@@ -240,3 +240,39 @@ def test_chat_sandbox_when_the_sandbox_fails_to_start_is_one_line(monkeypatch, c
     err = capsys.readouterr().err
     assert code == 2 and err.splitlines()[-1] == ("openk3 chat: error: --sandbox: cannot start a sandbox on this "
                                                   "host: mount: overlay failed")
+
+
+# ---- review fixes: what the terminal shows, the audit log, arguments that break the JSON decoder -----------
+
+
+def test_visible_escapes_terminal_controls_and_keeps_newlines_and_tabs():
+    from openk3.commands.chat import format_call, format_result, visible
+
+    assert visible("a\tb\nc") == "a\tb\nc"
+    assert visible("\x1b]0;title\x07\x1b[2K\r\x9b1A\u202egnp.exe\x7f") == \
+        "\\x1b]0;title\\x07\\x1b[2K\\x0d\\x9b1A\\u202egnp.exe\\x7f"
+    assert format_result({"id": "call_0", "output": "ok\x1b[8m"}) == "[result call_0] ok\\x1b[8m\n"
+    # Arguments nested past the JSON decoder's recursion limit are shown raw, not a crash.
+    deep = {"id": "call_1", "function": {"name": "Shell", "arguments": "[" * 3000}}
+    assert format_call(deep) == "[tool call call_1] Shell\n" + "[" * 3000 + "\n"
+
+
+@needs_sandbox
+def test_chat_sandbox_escapes_tool_output_and_writes_an_audit_log(monkeypatch, capsys, ckpt, tmp_path):
+    from openk3.agent.audit import read_audit
+
+    # The output erases its line, retitles the terminal and would hide whatever is printed next.
+    command = r"printf 'a\033[2K\033]0;owned\007\033[8mhidden\n'"
+    turns = [completion(assistant("", Shell={"command": command})), completion(assistant("Done."))]
+    log = tmp_path / "audit.jsonl"
+    code, out, err, _ = chat(monkeypatch, capsys, ckpt, turns, "go\n", "--audit", str(log))
+    assert code == 0 and "\x1b" not in out and "\x07" not in out
+    assert "[result call_0] a\\x1b[2K\\x1b]0;owned\\x07\\x1b[8mhidden\n" in out
+    records = list(read_audit(log))
+    assert [(r["tool"], r["decision"], json.loads(r["args"])) for r in records] == [
+        ("Shell", "allow", {"command": command})]
+
+
+def test_chat_audit_needs_sandbox(capsys, ckpt, tmp_path):
+    code = main(["chat", "--model", str(ckpt), "--audit", str(tmp_path / "a.jsonl"), "--threads", "1"])
+    assert code == 2 and "--audit logs the tool calls of --sandbox" in capsys.readouterr().err

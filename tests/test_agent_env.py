@@ -310,3 +310,35 @@ def test_text_action_and_reset_starts_afresh(env):
     obs = env.reset()
     assert obs.prompt_ids == from_scratch(env, prompt=True) and env.steps == 0
     assert env.sandbox.run("ls new.txt").exit_code != 0
+
+
+# ---- review fixes -------------------------------------------------------------------------------------
+
+
+@needs_sandbox
+def test_arguments_nested_too_deep_and_a_nul_in_a_command_are_tool_errors(env, tmp_path):
+    env.reset()
+    deep = {"type": "function", "function": {"name": "Shell", "arguments": "[" * 3000}}  # RecursionError in json
+    obs, reward, terminated, truncated, info = env.step(turn(
+        "", deep, call("Shell", command="echo a\x00b"), call("Shell", command="echo still here")))
+    outs = [c["output"] for c in info["calls"]]
+    assert outs[0].startswith("error: invalid arguments for Shell") and not info["calls"][0]["allowed"]
+    assert outs[1].startswith("error: ") and "NUL byte" in outs[1] and not info["calls"][1]["ok"]
+    assert "sandbox_error" not in info["calls"][1] and not (terminated or truncated)
+    assert outs[2] == "still here" and obs.prompt_ids == from_scratch(env, prompt=True)
+    assert [r["tool"] for r in read_audit(tmp_path / "audit.jsonl")] == ["Shell"] * 3
+
+
+@needs_sandbox
+def test_the_snapshot_reset_reports_can_be_restored(env):
+    obs = env.reset()
+    start_ids = env.ids
+    env.step(turn("", call("Shell", command="rm calc.py")))
+    back = env.restore(obs.info["snapshot"])
+    assert back.prompt_ids == start_ids == env.ids and env.steps == 0 and not env.done
+    _, _, _, _, info = env.step(turn("", call("Shell", command="ls calc.py")))
+    assert info["calls"][0]["output"] == "calc.py"
+    old = obs.info["snapshot"]
+    env.reset()  # a new episode's sandbox: the last one's snapshots are gone
+    with pytest.raises(ValueError, match="unknown snapshot"):
+        env.restore(old)

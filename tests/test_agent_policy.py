@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
+import re
+import signal
 
 import pytest
 
 from openk3.agent.audit import MAX_INLINE_ARGS, AuditLog, canonical_json, read_audit
 from openk3.agent.policy import (
+    ALWAYS_PROTECTED,
     DEFAULT_APPROVAL_RULES,
+    DEFAULT_PATH_RULES,
     ApprovalRule,
     Decision,
     PathRule,
     Policy,
     ToolCall,
+    _glob_regex,
+    command_words,
     normalize,
     sql_kinds,
 )
+from openk3.agent.toolbox import regex_hazard
 from openk3.agent.tools import SCHEMAS
 
 ALL = tuple(SCHEMAS)
@@ -113,8 +121,21 @@ def test_most_specific_path_rule_wins_and_caps_beat_allows():
     assert not ok("WriteFile", "same/x")                 # equally specific: the more restrictive wins
     d = p.check("WriteFile", {"path": "docs/a.md", "content": ""})
     assert d == Decision(False, "path not allowed by policy: /workspace/docs/a.md is read-only (docs)", "path:docs")
-    assert Policy(tools=("ReadFile",), path_rules=[PathRule("/workspace", "write")]).check(
-        "ReadFile", {"path": "/etc/passwd"}).rule_id == "path:None"  # no rule: no access
+    # No rule matches: no access, and the refusal says so (it read `path:None` once).
+    d = Policy(tools=("ReadFile",), path_rules=[PathRule("/workspace", "write")]).check(
+        "ReadFile", {"path": "/etc/passwd"})
+    assert d == Decision(False, "path not allowed by policy: /etc/passwd is not accessible to file tools "
+                         "(no path rule matches it)", "path:no-rule")
+
+
+def test_glob_patterns_cannot_climb_out_of_their_folder():
+    # Only the folder a Glob starts from is checked, so `..` in the pattern would reach past the rules.
+    p = Policy(tools=("Glob",), path_rules=[PathRule("/workspace", "write")])
+    for pattern in ("*/../../etc/*", "../*", "a/..", "src/**/../../../etc/passwd"):
+        d = p.check("Glob", {"pattern": pattern})
+        assert d.rule_id == "path" and not d.allowed and "must not contain '..'" in d.observation, pattern
+    assert p.check("Glob", {"pattern": "src/**/*.py"}).allowed
+    assert p.check("Glob", {"pattern": "..*/x..y/*"}).allowed  # names that merely contain dots are fine
 
 
 def test_paths_with_control_characters_are_refused():
@@ -140,6 +161,85 @@ def test_default_shell_rules(command, rule):
     assert d.rule_id == rule and d.allowed == (rule is None), d
     if rule is not None:
         assert d.observation == f"rejected by policy: {rule}"
+
+
+@pytest.mark.parametrize("command,rule", [
+    ('bash -c "rm -rf /"', "R-rm"), ("find . | xargs rm -fR", "R-rm"), ("\\rm -r x", "R-rm"),
+    ("echo $(sudo id)", "R-sudo"), ("x=`curl evil`", "R-network"), ("git clean --force", "R-git-discard"),
+    ("git reset -q --hard", "R-git-discard"), ("mkfs.ext4 /dev/x", "R-disk"), ("cat out>curl.txt", None),
+    ("rm -f x", None), ("git clean -n", None), ("/usr/bin/rsync-helper", None), ("git log; push", None),
+])
+def test_default_shell_rules_on_words(command, rule):
+    assert rl().check("Shell", {"command": command}).rule_id == rule
+
+
+def test_command_words_split_simple_commands_and_words():
+    assert command_words("a 'b c'|d\\ e; f<g>h\n") == [["a", "b", "c"], ["d", "e"], ["f", "g", "h"]]
+    assert command_words("") == [] and command_words("  ;; ") == []
+
+
+def _rule_regexes(rule: ApprovalRule) -> list[str]:
+    return [rule.command] if rule.command else [w for seq in (rule.argv or ()) for w in seq]
+
+
+def test_default_rule_regexes_have_no_nested_quantifiers():
+    patterns = [p for r in DEFAULT_APPROVAL_RULES for p in _rule_regexes(r)]
+    patterns += [_glob_regex(r.glob).pattern for r in DEFAULT_PATH_RULES]
+    patterns += [_glob_regex(g).pattern for g in ALWAYS_PROTECTED]
+    assert len(patterns) > 10 and [p for p in patterns if regex_hazard(p)] == []
+    # The check itself: what it must find, and what it must leave alone.
+    for bad in (r"(a+)+b", r"(?:x|y*)*", r"(\w+\s?)*$", r"(a{1,3}){2,}"):
+        assert regex_hazard(bad), bad
+    for fine in (r"a+b+", r"(?:ab)+", r"(a{2})*", r"mkfs(?:\.\w+)?", r"(?=a*)b"):
+        assert regex_hazard(fine) is None, fine
+
+
+@contextlib.contextmanager
+def _fails_after(seconds: int):
+    """Fail the test if the block runs past `seconds` (python's re checks for signals while backtracking)."""
+    def fired(*_):
+        raise AssertionError(f"still matching after {seconds} s: a regex is super-linear")
+    previous = signal.signal(signal.SIGALRM, fired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# 16 KiB commands built to make each rule's old regexes backtrack (`'git reset ' * 800` took 14.7 s).
+ADVERSARIAL = ["git reset " * 1638, "git " * 4096, "rm " * 5461, "rm -" + "r" * 16379 + "!", "git clean -" +
+               "f" * 16372 + "1", ": ( ) " * 2730, ":" + " " * 16383, "sudo" * 4096, "git push" * 2048,
+               "mkfs." + "x" * 16378 + "-", "\\" * 8192, "'" * 16384, "a;" * 8192]
+
+
+def test_default_rules_finish_on_adversarial_commands():
+    p = rl()
+    with _fails_after(5):
+        for command in ADVERSARIAL:
+            assert p.check("Shell", {"command": command}).rule_id != "schema"  # it reached the rules
+            for rule in DEFAULT_APPROVAL_RULES:
+                if rule.command:
+                    re.compile(rule.command).search(command)
+        for glob in (*ALWAYS_PROTECTED, *(r.glob for r in DEFAULT_PATH_RULES)):
+            _glob_regex(glob).fullmatch("/" + "a/" * 8000 + ".git")
+
+
+def test_custom_rules_use_argv_or_a_safe_regex():
+    rule = ApprovalRule("R-make", "Shell", "ask", argv=[["make", "clean"], ["rm", "build"]])
+    assert rule.argv == (("make", "clean"), ("rm", "build"))
+    p = rl(approval_rules=[rule])
+    assert p.check("Shell", {"command": "cd x && make -j4 clean"}).rule_id == "R-make"
+    assert p.check("Shell", {"command": "make all"}).allowed
+    with pytest.raises(ValueError, match="R-x.*exponential"):
+        ApprovalRule("R-x", "Shell", "deny", command=r"(\w+\s*)+;")
+    with pytest.raises(ValueError, match=r"R-y.*argv\[0\]\[1\].*exponential"):
+        ApprovalRule("R-y", "Shell", "deny", argv=["git", "(a+)+"])
+    with pytest.raises(ValueError, match="argv must be"):
+        ApprovalRule("R-z", "Shell", "deny", argv=[])
+    with pytest.raises(ValueError, match="Shell calls only"):
+        ApprovalRule("R-w", "SQL", "deny", argv=["x"])
 
 
 def test_sql_kinds_are_lexical_and_see_through_strings_comments_and_ctes():

@@ -380,3 +380,72 @@ def test_declared_tools_render_and_calls_round_trip_through_xtml():
     args = json.loads(got["function"]["arguments"])
     assert args == {"pattern": "a<b", "-i": True, "-C": 2}
     assert not list(Draft202012Validator(SCHEMAS["Grep"]["parameters"]).iter_errors(args))
+
+
+# ---- review fixes: patterns that climb out, slow regexes, huge data -----------------------------------
+
+
+def test_glob_and_grep_globs_refuse_dotdot_segments(ws):
+    (ws.root / "sub").mkdir()
+    (ws.root / "sub/x.txt").write_text("needle\n")
+    for pattern in ("*/../../*", "../*", "sub/.."):  # the host checks only the folder a pattern starts from
+        out = ws("Glob", pattern=pattern, directory="sub")
+        assert not out["ok"] and "must not contain '..'" in out["output"], (pattern, out)
+    assert ws("Glob", pattern="*/x.txt")["data"]["paths"] == ["sub/x.txt"]
+    # Grep's glob only filters the files walked below `path`; a `..` in it could never match: said so.
+    out = ws("Grep", pattern="needle", path="sub", glob="../*")
+    assert not out["ok"] and "must not contain '..'" in out["output"]
+    assert ws("Grep", pattern="needle", glob="sub/*.txt")["data"]["files"] == ["sub/x.txt"]
+
+
+def test_grep_refuses_regexes_with_nested_quantifiers(ws):
+    # 2^24 ways to split the a's: slow even on this short line, hopeless on a long one.
+    (ws.root / "a.txt").write_text("a" * 24 + "!\n")
+    for pattern in ("(a+)+b", "(?:a|b*)*c", "(\\w+\\s?)*$"):
+        out = ws("Grep", pattern=pattern)
+        assert not out["ok"] and "exponential time" in out["output"], (pattern, out)
+    assert ws("Grep", pattern="a+!")["data"]["files"] == ["a.txt"]
+
+
+def test_grep_stops_a_slow_search_at_the_scan_limit(ws, monkeypatch):
+    # No nesting, but polynomial: `.*x.*x.*x.*y` backtracks ~n^4 times on a line of n x's.
+    (ws.root / "x.txt").write_text("x" * 5000 + "\n")
+    (ws.root / "z.txt").write_text("x y\n")
+    monkeypatch.setattr(toolbox, "SCAN_SECONDS", 0.5)
+
+    def guard(*_):
+        raise AssertionError("Grep did not stop at its scan limit")
+
+    previous = signal.signal(signal.SIGALRM, guard)
+    signal.setitimer(signal.ITIMER_REAL, 30)
+    try:
+        t0 = time.monotonic()
+        out = ws("Grep", pattern=".*x.*x.*x.*y", output_mode="content")
+        assert time.monotonic() - t0 < 25  # the guard would have fired long before a whole search ended
+        assert out["ok"] and out["data"]["more"] and "ran past the 0.5 s scan limit" in out["output"]
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 0 < left <= 30  # the caller's own timer was put back
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_huge_sql_cells_and_results_are_capped_in_data(ws):
+    out = ws("SQL", query="SELECT randomblob(9000000) AS b, 'x' AS s")
+    assert out["ok"] and out["data"]["truncated"]
+    assert len(out["data"]["rows"][0][0]) == toolbox_apps.MAX_DATA_CELL and out["data"]["rows"][0][1] == "x"
+    assert len(json.dumps(out["data"])) < toolbox.MAX_DATA
+    # Many big rows: rows are left out once the cells pass MAX_SQL_DATA; the text still says how many there are.
+    out = ws("SQL", query="WITH RECURSIVE c(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM c LIMIT 1000) "
+                          "SELECT i, hex(randomblob(30000)) FROM c", max_rows=1000)
+    assert out["data"]["truncated"] and 0 < len(out["data"]["rows"]) < 1000
+    assert len(json.dumps(out["data"])) < toolbox.MAX_DATA and "(1000 rows)" in out["output"]
+    small = ws("SQL", query="SELECT 1, 'a'")
+    assert small["data"]["rows"] == [[1, "a"]] and small["data"]["truncated"] is False
+
+
+def test_dispatch_replaces_data_still_over_the_limit(ws, monkeypatch):
+    monkeypatch.setitem(toolbox.TOOLS, "Submit", (lambda args, ctx: ("ok", {"blob": "z" * (toolbox.MAX_DATA + 1)}),
+                                                  {"answer"}))
+    out = ws("Submit", answer="a")
+    assert out["ok"] and out["data"]["truncated"] and "omitted" in out["data"] and len(json.dumps(out)) < 1000

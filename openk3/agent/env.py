@@ -22,7 +22,12 @@ Reward: the task's verifier (`task.score`: a fork of the sandbox with the grader
 /grader; the episode's own sandbox never sees them) on `Submit` or a natural stop (a turn without tool calls),
 0 otherwise. Budgets end the episode with truncated=True and no reward: `max_steps` assistant turns,
 `max_tool_seconds` of tool wall time (a Shell call's timeout is cut to what is left, so nothing hangs), a turn
-that does not end (max_tokens hit), and a sandbox failure (its agent died; P5).
+that does not end (max_tokens hit), and a sandbox failure (its agent died; P5). A bad call is the model's
+error, never the env's: arguments that do not decode (not JSON, or nested past the decoder's recursion
+limit) and a Shell command the sandbox refuses to send (a NUL byte) each get a tool error observation.
+
+State: `reset` records its snapshot like `snapshot()` does, so `restore(obs.info["snapshot"])` goes back
+to the episode's start; a new `reset` forgets the snapshots of the episode before.
 """
 
 from __future__ import annotations
@@ -147,7 +152,10 @@ class SandboxEnv:
         # A chat session waits for its first user message: the prompt has no generation prompt yet.
         ids = self.transcript.start(messages, prompt=task is not None)
         self.done = task is None
-        snap = self.sandbox.snapshot()
+        # Recorded like env.snapshot(), so `restore(obs.info["snapshot"])` goes back to the episode's start;
+        # the ids of an earlier episode's sandbox (closed above) are forgotten.
+        self._saved = {}
+        snap = self.snapshot()
         return Obs(list(self.transcript.messages), ids, tools=self.tools,
                    info={"episode": self.episode_id, "task": getattr(task, "id", None), "seed": seed,
                          "snapshot": snap, "max_steps": self.max_steps, "max_tool_seconds": self.max_tool_seconds})
@@ -320,7 +328,7 @@ class SandboxEnv:
         name, raw = call["function"]["name"], call["function"].get("arguments")
         try:
             args = json.loads(raw) if isinstance(raw, str) else raw
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the decoder's recursion limit
             args = None  # the policy's schema layer names the problem
         decision = self.policy.check(name, args)
         if not decision.allowed:
@@ -330,7 +338,11 @@ class SandboxEnv:
         t0 = time.monotonic()
         if name == "Shell":
             timeout = min(float(args.get("timeout", TOOL_TIMEOUT)), left)
-            r = self.sandbox.run(args["command"], timeout=timeout)
+            try:
+                r = self.sandbox.run(args["command"], timeout=timeout)
+            except ValueError as e:  # a command the sandbox refuses to send (a NUL byte): this call's error
+                text = f"error: {str(e).removeprefix('Sandbox.run: ')}"
+                return self._record(call, args, True, decision.rule_id, text, 0.0), text
             text, ok = shell_text(r), r.error is None and not r.timed_out and r.exit_code == 0
             extra = {"exit_status": r.exit_code, "truncated": r.truncated, "sandbox_error": r.error,
                      "timed_out": r.timed_out}

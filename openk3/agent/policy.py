@@ -15,7 +15,10 @@ Each call goes through, in order, before it is sent to the sandbox:
 
 `Policy.check(name, arguments) -> Decision(allowed, observation, rule_id)`; it never raises on what the model
 sent. These checks are guidance and friction: paths are normalised lexically (`..` resolved against
-/workspace; symlinks are not followed here) and command rules are regexes a determined command can dodge.
+/workspace; symlinks are not followed here; a Glob pattern with a `..` segment is refused) and command rules
+match words of the command (`argv`, linear time) or regexes, which a determined command can dodge. A rule
+regex with nested quantifiers (`regex_hazard`) is refused when the policy is built: the command comes from
+the model, and the check runs on the host.
 The sandbox's kernel boundary (namespaces, read-only binds, the overlay) is the real guard, and snapshots
 undo what an allowed call did.
 """
@@ -31,6 +34,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError, best_match
 
+from openk3.agent.toolbox import regex_hazard
 from openk3.agent.tools import SCHEMAS, check_name
 
 WORKSPACE = "/workspace"
@@ -140,11 +144,35 @@ class PathRule:
                              f"not {self.access!r}")
 
 
+_SEGMENTS = re.compile(r"[;&|()`\n]")   # where one simple command ends (also inside quotes: `bash -c "a; b"`)
+_WORDS = re.compile(r"[\s'\"<>]+")     # what separates words (quotes too, so `bash -c "rm -r x"` shows rm)
+
+
+def command_words(command: str) -> list[list[str]]:
+    """A Shell command as lists of words, one list per simple command, lexically and in linear time: split
+    at ; & | ( ), backquotes and newlines, then at whitespace, quotes and redirections; backslashes dropped
+    (`\\rm` is rm). Not a shell parser: quoted text is split like the rest, as a regex over the command
+    would see it."""
+    segments = []
+    for segment in _SEGMENTS.split(command):
+        words = [w.replace("\\", "") for w in _WORDS.split(segment)]
+        words = [w for w in words if w]
+        if words:
+            segments.append(words)
+    return segments
+
+
 @dataclass(frozen=True)
 class ApprovalRule:
-    """When a call of `tool` ("*": any tool) matches, `decision` applies. At most one matcher: `command` (a
-    regex searched in Shell's command), `path` (a glob on the call's path), `sql` (a kind from `sql_kinds`,
-    e.g. DROP or DELETE_WITHOUT_WHERE); none matches every call of the tool."""
+    """When a call of `tool` ("*": any tool) matches, `decision` applies. At most one matcher: `argv` (word
+    regexes, below), `command` (a regex searched in Shell's command), `path` (a glob on the call's path),
+    `sql` (a kind from `sql_kinds`, e.g. DROP or DELETE_WITHOUT_WHERE); none matches every call of the tool.
+
+    `argv` is a list of word regexes, or a list of such lists (alternatives): a Shell call matches when, in
+    one simple command of `command_words(command)`, words that fullmatch the regexes appear in that order
+    (not necessarily adjacent): ["git", "push"] matches `git -C repo push`. Matching is linear in the
+    command's length, so prefer it to `command`. A regex with nested quantifiers (`(a+)+`) is refused in
+    either: it can take exponential time on the model's input."""
 
     id: str
     tool: str
@@ -152,6 +180,7 @@ class ApprovalRule:
     command: str | None = None
     path: str | None = None
     sql: str | None = None
+    argv: tuple | None = None
 
     def __post_init__(self):
         where = f"approval rule {self.id!r}"
@@ -164,16 +193,28 @@ class ApprovalRule:
                 raise ValueError(f"{where}: tool: {e}") from None
         if self.decision not in DECISIONS:
             raise ValueError(f"{where}: decision must be one of {', '.join(DECISIONS)}, not {self.decision!r}")
-        given = [k for k in ("command", "path", "sql") if getattr(self, k) is not None]
+        given = [k for k in ("command", "path", "sql", "argv") if getattr(self, k) is not None]
         if len(given) > 1:
-            raise ValueError(f"{where}: give at most one of command, path, sql (got {', '.join(given)})")
+            raise ValueError(f"{where}: give at most one of command, path, sql, argv (got {', '.join(given)})")
+        if given and given[0] in ("command", "argv") and self.tool not in ("Shell", "*"):
+            raise ValueError(f"{where}: {given[0]} matches Shell calls only, but tool is {self.tool!r}")
         if self.command is not None:
-            if self.tool not in ("Shell", "*"):
-                raise ValueError(f"{where}: command matches Shell calls only, but tool is {self.tool!r}")
-            try:
-                object.__setattr__(self, "_matcher", re.compile(self.command))
-            except (re.error, TypeError) as e:
-                raise ValueError(f"{where}: command is not a valid regex: {e}") from None
+            object.__setattr__(self, "_matcher", _compile(self.command, f"{where}: command"))
+        if self.argv is not None:
+            alternatives = self.argv
+            if isinstance(alternatives, (list, tuple)) and alternatives and all(isinstance(w, str)
+                                                                                for w in alternatives):
+                alternatives = [alternatives]
+            if (not isinstance(alternatives, (list, tuple)) or not alternatives
+                    or not all(isinstance(a, (list, tuple)) and a and all(isinstance(w, str) for w in a)
+                               for a in alternatives)):
+                raise ValueError(f"{where}: argv must be a non-empty list of word regexes (or a list of such "
+                                 f"lists), not {self.argv!r}")
+            alternatives = tuple(tuple(a) for a in alternatives)
+            object.__setattr__(self, "argv", alternatives)  # hashable and in one shape, whatever was given
+            object.__setattr__(self, "_matcher", tuple(
+                tuple(_compile(w, f"{where}: argv[{k}][{j}]") for j, w in enumerate(a))
+                for k, a in enumerate(alternatives)))
         if self.path is not None:
             if not isinstance(self.path, str) or not self.path.strip():
                 raise ValueError(f"{where}: path must be a non-empty glob, not {self.path!r}")
@@ -186,6 +227,9 @@ class ApprovalRule:
             return False
         if self.command is not None:
             return name == "Shell" and bool(self._matcher.search(str(args.get("command", ""))))
+        if self.argv is not None:
+            return name == "Shell" and any(_in_order(words, seq) for words in
+                                           command_words(str(args.get("command", ""))) for seq in self._matcher)
         if self.path is not None:
             return path is not None and self._matcher.fullmatch(path) is not None
         if self.sql is not None:
@@ -197,7 +241,8 @@ class ApprovalRule:
 class Decision:
     allowed: bool
     observation: str | None = None  # the tool-error text the model sees when not allowed
-    rule_id: str | None = None      # what decided: an approval rule id, "path:<glob>", "schema", "allow-list"
+    rule_id: str | None = None      # what decided: an approval rule id, "path:<glob>", "path:no-rule" (no path
+    #                                 rule matches), "path" (a malformed path or pattern), "schema", "allow-list"
 
 
 @dataclass(frozen=True)
@@ -209,7 +254,27 @@ class ToolCall:
     rule_id: str
 
 
-_NAMED = r"(?<![\w./-]){}(?![\w.-])"  # a command name as its own word, not inside a path or a longer name
+def _compile(pattern: Any, where: str) -> re.Pattern:
+    try:
+        rx, hazard = re.compile(pattern), regex_hazard(pattern)
+    except (re.error, TypeError) as e:
+        raise ValueError(f"{where} is not a valid regex: {e}") from None
+    if hazard:
+        raise ValueError(f"{where}: the regex {pattern!r} has {hazard}, which can take exponential time")
+    return rx
+
+
+def _in_order(words: list[str], regexes: tuple[re.Pattern, ...]) -> bool:
+    """Whether words fullmatching `regexes` appear in `words` in that order (the earliest match of each
+    leaves the most words for the rest, so one pass decides)."""
+    k = 0
+    for word in words:
+        if regexes[k].fullmatch(word):
+            k += 1
+            if k == len(regexes):
+                return True
+    return False
+
 
 DEFAULT_PATH_RULES = (
     PathRule("/", "read"),             # the sandbox's own view: read-only binds, nothing of the host's
@@ -219,16 +284,19 @@ DEFAULT_PATH_RULES = (
 )
 #: Read-only for the file tools in every policy; an environment's `protected` adds tests/, grader files, ...
 ALWAYS_PROTECTED = ("**/.git/hooks", "**/.git/config")
+# Word regexes only (each fullmatches one word) and no two quantifiers that could share a char, so every
+# rule is linear in the command; the fork bomb's shape needs its punctuation, hence a `command` regex whose
+# quantifiers each match only whitespace between fixed chars.
+_R_FLAG = r"-[^\W\d_rR]*[rR][a-zA-Z]*|--recursive"   # -r, -fr, -Rf: the letters before the first r are not r
+_F_FLAG = r"-[^\W\d_f]*f[a-zA-Z]*|--force"
 DEFAULT_APPROVAL_RULES = (
-    ApprovalRule("R-rm", "Shell", "ask", command=r"\brm\s+(?:[^;&|\n]*\s)?(?:-[a-zA-Z]*[rR]|--recursive)"),
-    ApprovalRule("R-sudo", "Shell", "deny", command=_NAMED.format("(?:sudo|doas|pkexec|su)")),
+    ApprovalRule("R-rm", "Shell", "ask", argv=("rm", _R_FLAG)),
+    ApprovalRule("R-sudo", "Shell", "deny", argv=("sudo|doas|pkexec|su",)),
     ApprovalRule("R-fork-bomb", "Shell", "deny", command=r":\s*\(\s*\)\s*\{"),
-    ApprovalRule("R-network", "Shell", "ask",
-                 command=_NAMED.format("(?:curl|wget|nc|ncat|netcat|ssh|scp|sftp|rsync|telnet|ftp)")),
-    ApprovalRule("R-git-push", "Shell", "ask", command=r"\bgit\b[^;&|\n]*\spush\b"),
-    ApprovalRule("R-git-discard", "Shell", "ask",
-                 command=r"\bgit\b[^;&|\n]*\s(?:reset\s+(?:[^;&|\n]*\s)?--hard|clean\s+-[a-zA-Z]*f)"),
-    ApprovalRule("R-disk", "Shell", "ask", command=_NAMED.format(r"(?:mkfs(?:\.\w+)?|dd|shred|wipefs)")),
+    ApprovalRule("R-network", "Shell", "ask", argv=("curl|wget|nc|ncat|netcat|ssh|scp|sftp|rsync|telnet|ftp",)),
+    ApprovalRule("R-git-push", "Shell", "ask", argv=("git", "push")),
+    ApprovalRule("R-git-discard", "Shell", "ask", argv=(("git", "reset", "--hard"), ("git", "clean", _F_FLAG))),
+    ApprovalRule("R-disk", "Shell", "ask", argv=(r"mkfs(?:\.\w+)?|dd|shred|wipefs",)),
     ApprovalRule("R-sql-drop", "SQL", "ask", sql="DROP"),
     ApprovalRule("R-sql-delete-all", "SQL", "ask", sql="DELETE_WITHOUT_WHERE"),
     ApprovalRule("R-sql-update-all", "SQL", "ask", sql="UPDATE_WITHOUT_WHERE"),
@@ -337,12 +405,18 @@ class Policy:
             raw = ("." if raw is None else raw) if name != "Glob" else _glob_base(raw, arguments["pattern"])
             if any(ord(c) < 32 or c == "\x7f" for c in raw):
                 return Decision(False, f"invalid path {raw[:200]!r}: control characters are not allowed", "path")
+            if name == "Glob" and ".." in arguments["pattern"].split("/"):
+                # Only the folder a pattern starts from is checked: `*/../../etc/*` would list what it climbs to.
+                return Decision(False, f"invalid pattern {arguments['pattern'][:200]!r}: a Glob pattern must not "
+                                "contain '..'; put the folder in 'directory'", "path")
             path = normalize(raw)
             access, glob = self.path_access(path)
             if ACCESS.index(access) < ACCESS.index(need):
                 why = "not accessible to file tools" if access == "none" else "read-only"
-                return Decision(False, f"path not allowed by policy: {path} is {why} ({glob or 'no rule'})",
-                                f"path:{glob}")
+                # No rule matching is a refusal too (the default is none): say so rather than `path:None`.
+                rule = glob or "no path rule matches it"
+                return Decision(False, f"path not allowed by policy: {path} is {why} ({rule})",
+                                f"path:{glob}" if glob else "path:no-rule")
         for rule in self.approval_rules:
             if rule.matches(name, arguments, path):
                 return self._decide(rule, name, arguments)

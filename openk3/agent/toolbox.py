@@ -4,9 +4,16 @@
         -> {"ok": bool, "output": str, "data": dict}
 
 `output` is the tool message the model sees, capped at 50,000 chars (head and tail kept) and 2,000 chars
-per line, each cut marked `[...truncated N chars]`; `data` is a structured copy for RL and UIs (it always
-holds `truncated`). A bad call (unknown tool, bad argument, missing file) gives `ok: False` with a message;
-no exception leaves `dispatch`, because the agent must keep serving the episode.
+per line, each cut marked `[...truncated N chars]`; `data` is a structured copy for RL and UIs. It always
+holds `truncated`, and stays under MAX_DATA = 1 MiB of JSON: the SQL tool cuts cells and rows to fit (and
+says so), and a result still over the limit has its `data` replaced by a summary. A bad call (unknown tool,
+bad argument, missing file) gives `ok: False` with a message; no exception leaves `dispatch`, because the
+agent must keep serving the episode.
+
+Glob patterns and Grep globs with a `..` segment are refused (a pattern must not climb out of its folder:
+the host's path rules check the folder only). Grep refuses a regex with nested quantifiers (`(a+)+`,
+`regex_hazard`), which can take exponential time, and stops a search that still runs past SCAN_SECONDS
+(a SIGALRM in the agent's main thread: python's re checks for signals while it backtracks).
 
 This module and `toolbox_apps.py` (KV store, SQL, Submit) run under the system `/usr/bin/python3` with only
 their own folder on `sys.path`: STDLIB ONLY, never `openk3`. Paths are relative to `root` or absolute; they
@@ -21,10 +28,14 @@ number, or more than 10% control/invalid bytes in the first 8 KiB) and names the
 from __future__ import annotations
 
 import codecs
+import contextlib
 import difflib
 import fnmatch
+import json
 import os
 import re
+import signal
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -43,6 +54,7 @@ MAX_GLOB = 1_000         # Glob paths per result
 MAX_EDITS = 50           # StrReplaceFile edits per call
 SCAN_SECONDS = 30.0      # Glob / Grep stop walking after this long and return what they found
 GREP_LINE = 1 << 20      # Grep matches on a line's first MiB (a 100 MB line must not fill memory)
+MAX_DATA = 1 << 20       # chars of a result's `data` as JSON; past it `data` is replaced by a summary
 SKIP_DIRS = {".git", apps.STATE_DIR}  # Grep never walks into these (.git as ripgrep; .state is apps only)
 
 # Magic numbers of common binary formats (checked before the control-byte ratio).
@@ -54,6 +66,55 @@ _MAGIC = (
 )
 _TEXT_CONTROLS = set(b"\t\n\r\f\b\x1b")
 _MARKED = re.compile(r"\[\.\.\.truncated \d+ chars\]\Z")
+
+
+try:  # the regex parser: `re._parser` from 3.11 (the system python), `sre_parse` before
+    from re import _parser as _re_parser
+except ImportError:  # pragma: no cover - python < 3.11
+    import sre_parse as _re_parser
+
+_REPEATS = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}
+
+
+def regex_hazard(pattern: str, flags: int = 0) -> str | None:
+    """Why `pattern` can take exponential time in a backtracking engine, or None: a quantifier inside a
+    quantified group, as in `(a+)+` or `(x|y*)*` (the ways to split a run of input grow exponentially).
+
+    A structural check on the parsed pattern, no timing. It does not see every slow pattern (`(a|a)*`
+    backtracks too, and two overlapping quantifiers in a row are polynomial), so callers still bound the
+    input or the time. Raises re.error for an invalid pattern."""
+    return _nested_repeat(_re_parser.parse(pattern, flags), inside=None)
+
+
+def _nested_repeat(sub, inside: str | None) -> str | None:
+    for op, av in sub:
+        if str(op) in _REPEATS:
+            lo, hi, body = av
+            if hi > lo and inside is not None:  # a fixed count such as {2} adds no way to split the input
+                return f"a quantifier nested inside a quantified group ({inside})"
+            if hi > 1 and inside is None:  # `?` repeats nothing: `(?:\.\w+)?` is fine
+                inside = "{" + f"{lo},{'' if hi == _re_parser.MAXREPEAT else hi}" + "}"
+                inside = {"{0,}": "*", "{1,}": "+"}.get(inside, inside)
+                found = _nested_repeat(body, inside)
+                inside = None
+            else:
+                found = _nested_repeat(body, inside)
+        else:
+            found = None
+            for child in _children(av):
+                found = found or _nested_repeat(child, inside)
+        if found:
+            return found
+    return None
+
+
+def _children(av):
+    """The sub-patterns inside one parsed node (groups, branches, lookarounds, conditionals)."""
+    if isinstance(av, _re_parser.SubPattern):
+        yield av
+    elif isinstance(av, (tuple, list)):
+        for item in av:
+            yield from _children(item)
 
 
 def cap_output(text: str, max_chars: int = MAX_OUTPUT, max_line: int = MAX_LINE) -> tuple[str, int]:
@@ -239,6 +300,8 @@ def _glob(args: dict, ctx: Ctx) -> tuple[str, dict]:
         raise ToolError("the pattern is empty")
     if os.path.isabs(pattern):
         raise ToolError("the pattern must be relative; put the absolute part in 'directory'")
+    if ".." in pattern.split("/"):  # `*/../../etc/*` would list folders the path rules never saw
+        raise ToolError(f"the pattern must not contain '..' ({pattern!r}); put the folder in 'directory'")
     if not os.path.isdir(base):
         raise ToolError(f"{ctx.show(base)} is not a directory")
     found, more, deadline = [], False, time.monotonic() + SCAN_SECONDS
@@ -286,10 +349,16 @@ def _grep(args: dict, ctx: Ctx) -> tuple[str, dict]:
         raise ToolError(f"output_mode must be content, files_with_matches or count_matches, not {mode!r}")
     if context < 0 or limit < 0:
         raise ToolError("-C and head_limit must not be negative")
+    if glob and ".." in glob.split("/"):  # it could match nothing (files are walked below path): say so
+        raise ToolError(f"the glob must not contain '..' ({glob!r}): it filters the files below 'path'")
+    flags = re.IGNORECASE if arg(args, "-i", bool, False) else 0
     try:
-        rx = re.compile(pattern, re.IGNORECASE if arg(args, "-i", bool, False) else 0)
+        rx, hazard = re.compile(pattern, flags), regex_hazard(pattern, flags)
     except re.error as e:
         raise ToolError(f"invalid regular expression {pattern!r}: {e}") from None
+    if hazard:  # `(a+)+b` on a long run of a's would hold the agent far past any sensible time
+        raise ToolError(f"the regular expression {pattern!r} has {hazard}, which can take exponential time; "
+                        "rewrite it without the nesting (e.g. `(a+)+` as `a+`)")
     if not os.path.exists(target):
         raise ToolError(f"no such file or directory: {ctx.show(target)}")
     out: list[str] = []
@@ -299,52 +368,98 @@ def _grep(args: dict, ctx: Ctx) -> tuple[str, dict]:
     def full() -> bool:  # head_limit 0 means no limit
         return bool(limit) and len(out) >= limit
 
-    for path in _grep_files(target, glob):
-        if full() or time.monotonic() > deadline:
-            more = True
-            break
-        try:
-            f = ctx.open(path)
-        except (OSError, ToolError):
-            skipped += 1  # unreadable (permissions, a dangling symlink, a FIFO): skipped, as grep -s does
-            continue
-        with f:
-            if binary_kind(f.read(8192)):
+    # The deadline is checked between files; the alarm also stops one slow search inside a file (a
+    # polynomial pattern such as `.*a.*b` on a long line), which no check between lines can.
+    with _alarm(SCAN_SECONDS) as expired:
+        for path in _grep_files(target, glob):
+            if full() or time.monotonic() > deadline:
+                more = True
+                break
+            try:
+                f = ctx.open(path)
+            except (OSError, ToolError):
+                skipped += 1  # unreadable (permissions, a dangling symlink, a FIFO): skipped, as grep -s does
                 continue
-            f.seek(0)
-            name, count, before, after, last = ctx.show(path), 0, deque(maxlen=context), 0, 0
-            for i, line in enumerate(_iter_lines(f, GREP_LINE), start=1):
-                hit = rx.search(line) is not None
-                count += hit
-                if mode != "content":
+            with f:
+                if binary_kind(f.read(8192)):
                     continue
-                if full():
-                    more = True
-                    break
-                if hit:
-                    start = before[0][0] if before else i
-                    if context and out and (last == 0 or start > last + 1):
-                        out.append("--")  # context groups are separated, as in grep -C
-                    out.extend((f"{name}-{j}-" if numbers else f"{name}-") + text for j, text in before)
-                    before.clear()
-                    out.append((f"{name}:{i}:" if numbers else f"{name}:") + line)
-                    last, after = i, context
-                elif after:
-                    out.append((f"{name}-{i}-" if numbers else f"{name}-") + line)
-                    last, after = i, after - 1
-                elif context:
-                    before.append((i, line))
-            if count:
-                n_matches += count
-                files.append(name)
-                if mode == "files_with_matches":
-                    out.append(name)
-                elif mode == "count_matches":
-                    out.append(f"{name}:{count}")
+                f.seek(0)
+                name, count, before, after, last = ctx.show(path), 0, deque(maxlen=context), 0, 0
+                for i, line in enumerate(_iter_lines(f, GREP_LINE), start=1):
+                    hit = rx.search(line) is not None
+                    count += hit
+                    if mode != "content":
+                        continue
+                    if full():
+                        more = True
+                        break
+                    if hit:
+                        start = before[0][0] if before else i
+                        if context and out and (last == 0 or start > last + 1):
+                            out.append("--")  # context groups are separated, as in grep -C
+                        out.extend((f"{name}-{j}-" if numbers else f"{name}-") + text for j, text in before)
+                        before.clear()
+                        out.append((f"{name}:{i}:" if numbers else f"{name}:") + line)
+                        last, after = i, context
+                    elif after:
+                        out.append((f"{name}-{i}-" if numbers else f"{name}-") + line)
+                        last, after = i, after - 1
+                    elif context:
+                        before.append((i, line))
+                if count:
+                    n_matches += count
+                    files.append(name)
+                    if mode == "files_with_matches":
+                        out.append(name)
+                    elif mode == "count_matches":
+                        out.append(f"{name}:{count}")
+    more = more or expired()
     body = "\n".join(out) if out else f"no matches for {pattern!r}"
-    if more:
-        body += f"\n[stopped at head_limit={limit} or the {SCAN_SECONDS:.0f} s scan limit; narrow the search]"
+    if expired():
+        body += (f"\n[stopped: a search ran past the {SCAN_SECONDS:g} s scan limit; "
+                 "simplify the pattern or narrow the search]")
+    elif more:
+        body += f"\n[stopped at head_limit={limit} or the {SCAN_SECONDS:g} s scan limit; narrow the search]"
     return body, {"mode": mode, "files": files, "matches": n_matches, "more": more, "unreadable": skipped}
+
+
+class _Expired(Exception):
+    """Raised by `_alarm`'s signal handler inside a running search."""
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float):
+    """Raise _Expired in the main thread after `seconds` (python's re checks for signals while it
+    backtracks, so this stops a single runaway search); yields a function telling whether it fired.
+
+    In another thread (signals go to the main thread only) it does nothing. A timer already set by
+    someone else (ITIMER_REAL is one per process) is put back, less the time spent, afterwards."""
+    fired = []
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield lambda: False
+        return
+
+    def handler(signum, frame):
+        fired.append(True)
+        raise _Expired
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    t0 = time.monotonic()
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield lambda: bool(fired)
+    except _Expired:
+        pass  # the search stopped; the caller reads expired()
+    finally:
+        while True:  # disarm before the old handler is back (SIGALRM's default action ends the process)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                break
+            except _Expired:  # it fired just now; it cannot fire again once disarmed
+                continue
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+        if old_delay:
+            signal.setitimer(signal.ITIMER_REAL, max(old_delay - (time.monotonic() - t0), 1e-3), old_interval)
 
 
 TOOLS = {
@@ -390,5 +505,8 @@ def dispatch(name: str, args: dict, *, root: str = "/workspace", sql_mode: str =
     if not ok and isinstance(name, str) and name in TOOLS:
         output = f"{name}: {output}"
     output, dropped = cap_output(output)
-    data["truncated"] = dropped > 0
+    data["truncated"] = dropped > 0 or bool(data.get("truncated"))  # a tool may have cut its data itself
+    size = len(json.dumps(data, ensure_ascii=False, default=str))
+    if size > MAX_DATA:  # a last guard: the tools cap their own data below this
+        data = {"truncated": True, "omitted": f"data of {size} chars (more than {MAX_DATA}) left out"}
     return {"ok": ok, "output": output, "data": data}

@@ -16,7 +16,9 @@ SQL: one statement per call. An authorizer denies ATTACH (which also covers `VAC
 outside `.state/`), `load_extension` and the `writable_schema` pragma always; in read-only mode (the
 environment's setting, passed to dispatch, never the model's) it also denies every write, on top of
 opening the file read-only with `query_only` on. A progress handler interrupts a statement that runs
-past `sql_timeout` seconds.
+past `sql_timeout` seconds. A result's `data` holds each cell cut to MAX_DATA_CELL chars (a blob as hex of
+its first bytes) and rows until MAX_SQL_DATA chars, with `truncated: true` when anything was cut; the text
+output shows MAX_CELL chars a cell.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ MAX_VALUE = 64 * 1024     # bytes of a KV value's JSON
 MAX_KV_LIST = 1_000
 MAX_SQL_ROWS = 1_000
 MAX_PARAMS = 1_000
-MAX_CELL = 200            # chars of one SQL cell in the text output (data keeps the whole value)
+MAX_CELL = 200            # chars of one SQL cell in the text output
+MAX_DATA_CELL = 64 * 1024  # chars of one SQL cell in `data` (a blob's hex counts; longer ones are cut)
+MAX_SQL_DATA = 1 << 19    # chars of all the cells in `data`: rows past it are left out (well under 1 MiB)
 
 _WRITES = {  # authorizer actions denied in read-only mode
     sqlite3.SQLITE_INSERT, sqlite3.SQLITE_UPDATE, sqlite3.SQLITE_DELETE, sqlite3.SQLITE_ALTER_TABLE,
@@ -242,14 +246,22 @@ def _authorizer(read_only: bool, denied: list):
     return check
 
 
-def _cell(value) -> object:
-    """A result cell as JSON data (blobs as hex)."""
-    return value.hex() if isinstance(value, bytes) else value
+def _cell(value) -> tuple[object, bool]:
+    """A result cell as JSON data (blobs as hex), cut to MAX_DATA_CELL chars; and whether it was cut."""
+    if isinstance(value, bytes):  # slice before hex: `randomblob(9000000)` must not become 18 MB of text
+        return value[:MAX_DATA_CELL // 2].hex(), len(value) > MAX_DATA_CELL // 2
+    if isinstance(value, str) and len(value) > MAX_DATA_CELL:
+        return value[:MAX_DATA_CELL], True
+    return value, False
 
 
 def _cell_text(value) -> str:
-    text = "NULL" if value is None else (f"x'{value.hex()}'" if isinstance(value, bytes) else str(value))
-    return text if len(text) <= MAX_CELL else f"{text[:MAX_CELL]}[...{len(text) - MAX_CELL} chars]"
+    if isinstance(value, bytes):
+        text, n = f"x'{value[:MAX_CELL].hex()}'", 2 * len(value) + 3
+    else:
+        text = "NULL" if value is None else str(value)
+        n = len(text)
+    return text if n <= MAX_CELL else f"{text[:MAX_CELL]}[...{n - MAX_CELL} chars]"
 
 
 def _sql(args, ctx):
@@ -295,7 +307,16 @@ def _sql(args, ctx):
         conn.close()
     more = len(rows) > max_rows
     rows = rows[:max_rows]
-    data = {"columns": columns, "rows": [[_cell(v) for v in r] for r in rows], "more": more, "changes": changed}
+    kept, size, cut = [], 0, False
+    for r in rows:
+        if size > MAX_SQL_DATA:  # the rest of the rows are left out of data (the text still shows them, cut)
+            cut = True
+            break
+        cells = [_cell(v) for v in r]
+        cut = cut or any(c for _, c in cells)
+        size += sum(len(v) if isinstance(v, str) else 8 for v, _ in cells)
+        kept.append([v for v, _ in cells])
+    data = {"columns": columns, "rows": kept, "more": more, "changes": changed, "truncated": cut}
     if not columns:
         return f"OK ({changed} row{'s' * (changed != 1)} changed)", data
     lines = [" | ".join(columns)] + [" | ".join(_cell_text(v) for v in r) for r in rows]

@@ -25,7 +25,11 @@ and runs them itself: each call is printed, checked by the default policy (allow
 rules, approval rules), run, and its result printed as `[result ID] ...`; the model continues until it
 answers without calling a tool. A call an approval rule marks "ask" (rm -r, curl, git push, DROP TABLE,
 ...) waits for a line `y` (run it), `a` (always, for that rule, this session) or anything else (refuse;
-the model sees the refusal); `--approve auto` answers y. /reset starts a fresh sandbox.
+the model sees the refusal); `--approve auto` answers y. /reset starts a fresh sandbox. What the sandbox
+chat prints of the model and the tools shows control characters other than newline and tab escaped (ESC as
+`\x1b`), so tool output cannot move the cursor, retitle the terminal or hide the next call before an
+approval prompt. `--audit FILE` appends one JSON line per tool call (openk3.agent.audit) to FILE; without it
+no audit log is written.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give the model the agent tools in a sandbox (Shell, files, KV, SQL); it runs them itself")
     p.add_argument("--approve", default="ask", choices=["ask", "auto"],
                    help="with --sandbox: ask before calls an approval rule marks risky (default), or run them")
+    p.add_argument("--audit", default=None, metavar="FILE.jsonl",
+                   help="with --sandbox: append an audit line per tool call (tool, arguments, decision, rule, "
+                        "exit status, ...) to this file; default: no audit log")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="after each answer, print tokens, speed, finish reason and parser problems to stderr")
     add_sampling_arguments(p, max_tokens=1024)
@@ -86,13 +93,25 @@ def load_tools(path: str) -> list[dict]:
     return tools
 
 
+# C0 controls but newline and tab, DEL, C1 controls (8-bit CSI and OSC) and the bidi overrides: what can
+# move the cursor, recolour, retitle or reorder a terminal's text.
+_HIDDEN = [c for c in range(0x20) if c not in (0x09, 0x0A)] + list(range(0x7F, 0xA0))
+_VISIBLE = {c: f"\\x{c:02x}" for c in _HIDDEN}
+_VISIBLE.update({c: f"\\u{c:04x}" for c in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))})
+
+
+def visible(text: str) -> str:
+    """`text` with terminal control characters shown as escapes (ESC as `\x1b`); newline and tab kept."""
+    return text.translate(_VISIBLE)
+
+
 def format_call(call: dict) -> str:
     """`[tool call ID] NAME` and the arguments as indented JSON (raw text if they are not JSON)."""
     fn = call.get("function", {})
     args = fn.get("arguments") or "{}"
     try:
         pretty = json.dumps(json.loads(args), indent=2, ensure_ascii=False)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the decoder's recursion limit
         pretty = args
     return f"[tool call {call.get('id')}] {fn.get('name')}\n{pretty}\n"
 
@@ -100,14 +119,16 @@ def format_call(call: dict) -> str:
 class Printer:
     """`on_delta` for LLM.chat: reasoning dimmed (terminal) or after `[thinking] `, content plain, calls whole."""
 
-    def __init__(self, out, tty: bool) -> None:
-        self.out, self.tty = out, tty
+    def __init__(self, out, tty: bool, escape: bool = False) -> None:
+        self.out, self.tty, self.escape = out, tty, escape  # escape: show control characters (`visible`)
         self.mode: str | None = None
         self.at_line_start = True
 
     def _write(self, text: str, dim: bool = False) -> None:
         if not text:
             return
+        if self.escape:
+            text = visible(text)
         self.out.write(f"{DIM}{text}{RESET}" if dim and self.tty else text)
         self.out.flush()
         self.at_line_start = text.endswith("\n")
@@ -159,6 +180,8 @@ def main(args: argparse.Namespace) -> int:
 
     if args.sandbox and args.tools:
         raise ValueError("--tools and --sandbox do not mix: --sandbox declares the agent's own tools")
+    if args.audit and not args.sandbox:
+        raise ValueError("--audit logs the tool calls of --sandbox; without --sandbox nothing runs to log")
     if args.sandbox:  # before the (slower) model load
         from openk3 import agent
 
@@ -174,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("chat needs a tokenizer")
     if args.sandbox:
         return sandbox_chat(llm, params, effort=effort or "none", system=args.system, approve=args.approve,
-                            verbose=args.verbose)
+                            verbose=args.verbose, audit=args.audit)
     base = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = list(base)
     pending: dict[str, str] = {}  # tool call id -> tool name, awaiting a /tool answer
@@ -273,14 +296,15 @@ def approval_prompt(read: Callable[[], str | None]) -> Callable:
 
 
 def format_result(rec: dict) -> str:
-    """`[result ID] OUTPUT` for a call's record (env.step's info["calls"])."""
-    return f"[result {rec['id']}] {rec['output']}\n"
+    """`[result ID] OUTPUT` for a call's record (env.step's info["calls"]), control characters escaped."""
+    return f"[result {rec['id']}] {visible(rec['output'])}\n"
 
 
 def sandbox_chat(llm, params, *, effort: str, system: str | None, approve: str, verbose: bool = False,
-                 max_turns: int = 32) -> int:
+                 max_turns: int = 32, audit: str | None = None) -> int:
     """The `--sandbox` REPL: each user line starts an agent loop (`run_episode` on the env's conversation)
-    that ends when the model answers without a tool call, or after `max_turns` tool turns."""
+    that ends when the model answers without a tool call, or after `max_turns` tool turns. `audit`: a JSONL
+    file that gets one line per tool call."""
     import dataclasses
 
     from openk3.agent import SandboxUnavailable
@@ -292,8 +316,8 @@ def sandbox_chat(llm, params, *, effort: str, system: str | None, approve: str, 
     read = (lambda: _read_line(False)) if not tty_in else (lambda: _read_line(True, "approve> "))
     hook = approval_prompt(read) if approve == "ask" else (lambda call: "approve")
     env = SandboxEnv(None, llm.tokenizer, policy=Policy(tools=CHAT_TOOLS, approval_hook=hook), effort=effort,
-                     system=system, max_steps=1 << 30, max_tool_seconds=float(1 << 30))
-    printer = Printer(sys.stdout, sys.stdout.isatty())
+                     system=system, max_steps=1 << 30, max_tool_seconds=float(1 << 30), audit_path=audit)
+    printer = Printer(sys.stdout, sys.stdout.isatty(), escape=True)
     sampling = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
 
     def show(rec: dict) -> None:
