@@ -25,6 +25,7 @@ COMMANDS = {
     "info": "parameter counts, FLOPs and decode-state sizes of a config",
     "train": "pretrain a K3 model (built-in corpus or your data), resumable, with metrics and samples",
     "rl": "on-policy RL of one (domain, effort) teacher: engine rollouts, think budgets, kimi/grpo losses, resumable",
+    "distill": "multi-teacher on-policy distillation (MOPD) of the (domain, effort) teachers into one student",
     "eval": "evaluate models on every (domain, effort) cell: accuracy, think tokens, compliance; report and plots",
     "sft": "fine-tune a checkpoint on chat JSONL (loss on assistant channels only), resumable, with checkpoints",
     "demo": "quick smoke test: build a model, train it on a counting task, check cached decode against full forwards",
@@ -53,13 +54,17 @@ def version() -> str:
         return openk3.__version__
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with `only` (a command name) just that command's arguments filled in: a command
+    module may import heavy libraries (torch) to describe its defaults, and `openk3 plan` must not pay
+    for `openk3 rl`'s. Every command is still listed with its help."""
     parser = argparse.ArgumentParser(prog="openk3", description="Kimi K3, open and end to end.")
     parser.add_argument("--version", action="version", version=f"openk3 {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(f"openk3.commands.{name}").add_arguments(p)
+        if only is None or name == only:
+            importlib.import_module(f"openk3.commands.{name}").add_arguments(p)
     return parser
 
 
@@ -118,7 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     anywhere among its flags: argparse fills a positional list from its first stretch only, so the later
     ones come back unrecognised and are appended here, in order; anything else unrecognised is the usual
     usage error."""
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else list(argv)
+    command = next((w for w in words if not w.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args, rest = parser.parse_known_args(argv)
     overrides = getattr(args, "overrides", None)
     if args.command in ("train", "sft") and isinstance(overrides, list):

@@ -310,8 +310,10 @@ def test_plots_are_written_labelled_and_not_blank(tmp_path, monkeypatch):
         models["student"]["agent"][c]["think_tokens_samples"] = [7] * 16
     teacher_rows = [{"step": s, "reward": s / 10, "over_budget_rate": 1 / s, "think_mean": 20 - s, "entropy": 1.0,
                      "zero_variance_frac": 0.5, "mismatch_kl": 1e-4} for s in range(1, 6)]
-    mopd_rows = [{"step": s, "reverse_kl/general/low": 1 / s, "reverse_kl/general/max": 2 / s, "clip_frac": 0.1,
-                  "entropy": 1.5} for s in range(1, 6)]
+    # as `openk3 distill` writes them: batch values, and per cell under "cells"
+    mopd_rows = [{"step": s, "reverse_kl": 1.5 / s, "clipped_frac": 0.1, "entropy": 1.5,
+                  "cells": {"general/low": {"reverse_kl": 1 / s}, "general/max": {"reverse_kl": 2 / s}}}
+                 for s in range(1, 6)]
     teacher_metrics = {"general/low": write_metrics(tmp_path / "tl.jsonl", teacher_rows),
                        "general/max": write_metrics(tmp_path / "tm.jsonl", teacher_rows)}
     out = tmp_path / "report"
@@ -333,7 +335,7 @@ def test_plots_are_written_labelled_and_not_blank(tmp_path, monkeypatch):
         assert any(ax.get_legend() is not None for ax in visible), name
     # the per-cell MOPD metric is drawn as lines in its key's panel
     panel = next(ax for ax in figures["mopd_training.png"].axes if ax.get_title() == "reverse_kl")
-    assert sorted(line.get_label() for line in panel.get_lines()) == ["general/low", "general/max"]
+    assert sorted(line.get_label() for line in panel.get_lines()) == ["general/low", "general/max", "student"]
     # the frontier: one line per model through its three efforts, teachers at their own cells
     general = figures["cells_acc_vs_tokens.png"].axes[0]
     labels = [line.get_label() for line in general.get_lines() if not line.get_label().startswith("_")]
@@ -432,3 +434,16 @@ def test_the_command_runs_the_budget_forcing_baseline(tiny_checkpoint, tmp_path)
     c = report["models"]["forced-max"]["general"]["low"]
     assert c["forced_rate"] > 0 and c["budget_compliance"] == 1.0 and c["think_cap_rate"] == 0
     assert c["thinking_tokens"] <= c["budget_think_tokens"]
+
+
+def test_the_command_module_defaults_agree_with_rollout_and_import_no_torch():
+    import subprocess
+    import sys
+
+    from openk3.commands import eval as eval_cmd
+    from openk3.posttrain import rollout
+
+    assert eval_cmd.RESPONSE_CAP == rollout.RESPONSE_CAP
+    code = "import sys, openk3.commands.eval, openk3.commands.distill; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr

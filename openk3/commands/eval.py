@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 
-from openk3.posttrain.rollout import RESPONSE_CAP
+# = openk3.posttrain.rollout.RESPONSE_CAP, not imported: building the CLI parser must not import torch
+# (tests/test_posttrain_eval.py checks they agree)
+RESPONSE_CAP = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

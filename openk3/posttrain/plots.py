@@ -32,7 +32,7 @@ from openk3.posttrain.records import DOMAINS
 TEACHER_KEYS = ("reward", "over_budget_rate", "think_mean", "entropy", "zero_variance_frac", "mismatch_kl")
 #: The metrics drawn from a MOPD run's metrics.jsonl (background §3.6 step 6), in panel order; per-cell
 #: variants "key/domain/effort" go into key's panel.
-MOPD_KEYS = ("reverse_kl", "accuracy", "clip_frac", "entropy", "think_mean", "mismatch_kl")
+MOPD_KEYS = ("reverse_kl", "task_reward", "clipped_frac", "entropy", "think_mean", "mismatch_kl")  # distill's names
 _DPI = 110
 
 
@@ -207,6 +207,19 @@ def training_curves(runs: dict[str, Sequence[dict]], keys: Sequence[str], path: 
     return True
 
 
+def _flat(row: dict) -> dict:
+    """A metrics row with per-cell values nested as `distill` writes them ({"cells": {"general/low": {k: v}}})
+    spread out as "k/general/low" keys, which `training_curves` draws in k's panel."""
+    cells = row.get("cells")
+    if not isinstance(cells, dict):
+        return row
+    flat = {k: v for k, v in row.items() if k != "cells"}
+    for cell, values in cells.items():
+        if isinstance(values, dict):
+            flat.update({f"{k}/{cell}": v for k, v in values.items()})
+    return flat
+
+
 def write_plots(models: dict, out_dir: str | os.PathLike, *, teacher_metrics: dict[str, str] | None = None,
                 mopd_metrics: str | None = None) -> list[str]:
     """Every plot the inputs allow, into out_dir; returns the file names written."""
@@ -227,6 +240,7 @@ def write_plots(models: dict, out_dir: str | os.PathLike, *, teacher_metrics: di
         for run, file in runs.items():
             if not os.path.isfile(file):
                 raise ValueError(f"eval: no metrics file {file} for {run!r}")
-        if runs and training_curves({k: read_metrics(v) for k, v in runs.items()}, keys, out / name, title):
+        if runs and training_curves({k: [_flat(r) for r in read_metrics(v)] for k, v in runs.items()}, keys,
+                                    out / name, title):
             written.append(name)
     return written

@@ -1,0 +1,467 @@
+"""MOPD: multi-teacher on-policy distillation of the (domain, effort) teachers into one student (issue 18,
+stage 3; background §1.2, §2.1, §3.6, §5.4).
+
+    distill(MOPDConfig(student="runs/sft", teachers={"general/low": "runs/t-gl", ...}, steps=300), "runs/mopd")
+
+Each step:
+1. draw `prompts_per_step` cells uniformly over `cells` (deterministic in (seed, step)), then for each cell
+   its problems (`rl_problems.ProblemSource` of that domain and effort: the effort's system message is in
+   the prompt, the teacher sees it too). No think budget applies (the teachers encode them): a problem's
+   budget is `think_cap` (default the context limit), a safety net whose hits are logged and rewarded 0;
+2. the student samples `group_size` trajectories per prompt on-policy through the inference `Engine`
+   (temperature 1, top-p 1; agent/coding prompts run in a forked sandbox, as in RL), with behaviour
+   log-probs;
+3. the samples are grouped by teacher (`losses.route_teachers`: the teacher of each sample's own cell,
+   never an ensemble); each teacher scores exactly its samples by one float32 prefill, no sampling, no grad
+   (`teacher_logprobs`);
+4. A_t = clip(log pi_T - log pi_S,behaviour, -R, R) on the sampled tokens only (tool/env/prompt tokens are
+   masked; gaps under `adv_floor` count as agreement, `floor_gaps`), plus `alpha` * (task reward - group
+   mean) when alpha != 0 (`losses.mopd_loss`);
+5. loss = -sum_t m_t A_t rho_t / N_tokens, rho the ratio to the behaviour policy (1 on the first pass; with
+   `ppo_epochs` > 1 the batch is reused with PPO's clipped ratio `ratio_clip`); one optimizer step per pass
+   (Muon + AdamW as in `rl`); the router's Quantile Balancing bias stays frozen.
+
+The trainer forward, batches, optimizer, checkpoints and resume are `rl`'s (imported, not copied).
+Logged per step to <out>/metrics.jsonl: the batch's reverse-KL estimate (mean log pi_S,behaviour - log pi_T),
+clipped fraction, entropy, mismatch KL (sampler vs trainer), think tokens, task reward, think-cap rate, loss,
+gradient norm, and the same per cell under "cells": {"general/low": {...}}. <out>/rollouts/step_N.jsonl keeps
+the rollout records with `teacher_cell` and `teacher_logprobs` (one per sampled token).
+
+Teachers are loaded once (`openk3.load`, float32, eval mode, no grad) and kept in memory: nine `small`
+teachers fit; at `base` scale load them in turn (not done here). They must share the student's tokenizer
+(the same `tiktoken.model` bytes) and vocabulary: a different renderer or tokenizer silently breaks
+OPD (background §5.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from openk3.chat import THINKING_EFFORTS
+from openk3.fsutil import read_json, write_atomic
+from openk3.posttrain import losses
+from openk3.posttrain.records import DOMAINS, SPLITS
+from openk3.posttrain.rl import _masked_mean, _tokenizer, make_batch, token_logprobs
+from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
+
+CONFIG_FILE = "mopd_config.json"
+#: Settings a resumed run may change (they do not alter what the finished steps computed).
+RESUMABLE_CHANGES = ("steps", "save_every", "student", "teachers")  # a resume reads its own checkpoint
+#: What a trajectory that hits `think_cap` is rewarded (only alpha mixing reads rewards): a truncation, like
+#: the rollout's other format failures, not RL's over-budget -1 (MOPD has no budgets).
+THINK_CAP_REWARD = 0.0
+ALL_CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)
+
+
+def parse_cell(cell: str, where: str) -> tuple[str, str]:
+    """'general/low' -> ('general', 'low'), or ValueError naming `where` and the cell."""
+    parts = cell.split("/") if isinstance(cell, str) else []
+    if len(parts) != 2 or parts[0] not in DOMAINS or parts[1] not in THINKING_EFFORTS:
+        raise ValueError(f"{where}: {cell!r} is not a cell 'domain/effort' with domain in {list(DOMAINS)} and "
+                         f"effort in {list(THINKING_EFFORTS)}")
+    return parts[0], parts[1]
+
+
+def read_teacher_map(teachers: str | os.PathLike | Mapping[str, str]) -> dict[str, str]:
+    """{cell: checkpoint path} from a dict or a JSON file {"general/high": DIR, ...}; relative paths in a file
+    are relative to the file's folder. Keys are checked (`parse_cell`), values must be non-empty strings."""
+    if isinstance(teachers, Mapping):
+        table, where, root = dict(teachers), "teachers", None
+    else:
+        where, root = str(teachers), Path(teachers).parent
+        try:
+            table = json.loads(Path(teachers).read_text())
+        except OSError as e:
+            raise ValueError(f"{teachers}: cannot read the teacher map ({e.strerror})") from e
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{teachers}: not JSON ({e})") from e
+        if not isinstance(table, dict):
+            raise ValueError(f"{teachers}: the teacher map must be a JSON object {{\"general/high\": DIR, ...}}")
+    out = {}
+    for cell, path in table.items():
+        parse_cell(cell, where)
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"{where}: teacher of {cell} must be a checkpoint path, got {path!r}")
+        out[cell] = str(root / path) if root is not None and not os.path.isabs(path) else path
+    if not out:
+        raise ValueError(f"{where}: no teachers")
+    return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MOPDConfig:
+    student: str = ""  # the starting checkpoint (the SFT model, background §1.6)
+    teachers: dict = dataclasses.field(default_factory=dict)  # cell -> checkpoint folder
+    cells: tuple[str, ...] = ()  # the cells drawn from (uniformly); () = every teacher's cell
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 1  # samples per prompt; >= 2 only matters for alpha's group baseline
+    # the loss (background §1.6: K3's values are unknown, these are our defaults)
+    clip: float | None = 5.0  # R: A_t clipped to [-R, R]; None = no clip (the R = inf ablation)
+    alpha: float = 0.0  # outcome mixing A = A_MOPD + alpha (r - group mean) (MiMo); 0 = pure MOPD
+    ppo_epochs: int = 1  # passes over each batch; > 1 reuses it with PPO's clipped ratio
+    ratio_clip: tuple[float, float] = (0.2, 0.28)  # PPO clip (low, high) for passes after the first
+    # |log pi_T - log pi_S| below this is agreement (A_t = 0), not signal: see `floor_gaps`; 0 = K3's formula
+    adv_floor: float = 1e-3
+    lr: float = 1e-5
+    # sampling
+    response_cap: int = RESPONSE_CAP
+    think_cap: int | None = None  # think tokens per trajectory before it is cut (None: the context limit)
+    max_turns: int = 8
+    split: str = "train"
+    # loop
+    seed: int = 0
+    grad_clip: float | None = 1.0
+    save_every: int = 10
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        def bad(field: str, rule: str) -> ValueError:
+            return ValueError(f"mopd {field} must be {rule}, got {getattr(self, field)!r}")
+
+        teachers = read_teacher_map(self.teachers) if self.teachers else {}
+        object.__setattr__(self, "teachers", teachers)
+        cells = tuple(self.cells) or tuple(c for c in ALL_CELLS if c in teachers)
+        for c in cells:
+            parse_cell(c, "mopd cells")
+            if teachers and c not in teachers:
+                raise ValueError(f"mopd cells: no teacher for cell {c} (teachers: {', '.join(teachers)})")
+        if len(set(cells)) != len(cells):
+            raise bad("cells", "distinct cells")
+        object.__setattr__(self, "cells", cells)
+        if self.split not in SPLITS:
+            raise bad("split", f"one of {list(SPLITS)}")
+        for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("ppo_epochs", 1),
+                             ("response_cap", 1), ("max_turns", 1), ("save_every", 1), ("max_num_seqs", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise bad(field, f"an integer >= {least}")
+        if self.think_cap is not None and (isinstance(self.think_cap, bool) or not isinstance(self.think_cap, int)
+                                           or self.think_cap < 1):
+            raise bad("think_cap", "an integer >= 1 or None")
+        if self.clip is not None and not self.clip > 0:
+            raise bad("clip", "> 0 (or None for no clip)")
+        if not self.lr > 0:
+            raise bad("lr", "> 0")
+        if not self.adv_floor >= 0:
+            raise bad("adv_floor", ">= 0")
+        if self.alpha and self.group_size < 2:
+            raise ValueError(f"mopd alpha={self.alpha!r} mixes an outcome advantage against the group mean: "
+                             f"it needs group_size >= 2, got {self.group_size}")
+        lo, hi = self.ratio_clip
+        if not (0 <= lo < 1 and hi >= 0):
+            raise bad("ratio_clip", "(low, high) with 0 <= low < 1 and high >= 0")
+        object.__setattr__(self, "ratio_clip", (float(lo), float(hi)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "mopd config") -> MOPDConfig:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{source}: unknown mopd settings {unknown}")
+        return cls(**{k: tuple(v) if k in ("cells", "ratio_clip") else v for k, v in d.items()})
+
+
+# ---- cells, teachers, scoring -------------------------------------------------------------------------
+
+
+def draw_cells(cells: Sequence[str], n: int, seed: int, step: int) -> list[str]:
+    """The cells of step `step`'s n prompts: uniform over `cells`, the same in every run (resume-safe)."""
+    rng = random.Random(f"mopd|{seed}|{step}")
+    return [rng.choice(list(cells)) for _ in range(n)]
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def load_teachers(teachers: Mapping[str, str], cells: Sequence[str], student_folder: Path,
+                  vocab_size: int) -> dict[str, torch.nn.Module]:
+    """{cell: teacher model} for `cells`: each checkpoint loaded once (cells may share one), float32, eval
+    mode, frozen. A teacher must have the student's tokenizer file byte for byte and its vocabulary size."""
+    import openk3
+    from openk3.checkpoint.load import resolve_checkpoint
+
+    student_tok = _file_digest(student_folder / "tiktoken.model")
+    loaded: dict[Path, torch.nn.Module] = {}
+    out = {}
+    for cell in cells:
+        folder = resolve_checkpoint(teachers[cell]).resolve()
+        if folder not in loaded:
+            if not (folder / "tiktoken.model").is_file():
+                raise ValueError(f"teacher {cell} ({folder}): no tokenizer (tiktoken.model); MOPD needs the teacher "
+                                 "to share the student's tokenizer and renderer")
+            if _file_digest(folder / "tiktoken.model") != student_tok:
+                raise ValueError(f"teacher {cell} ({folder}): its tokenizer differs from the student's "
+                                 f"({student_folder}); MOPD scores the student's token ids, so they must match")
+            model = openk3.load(folder, dtype=torch.float32).eval()
+            if model.config.vocab_size != vocab_size:
+                raise ValueError(f"teacher {cell} ({folder}): vocab_size {model.config.vocab_size}, the student's is "
+                                 f"{vocab_size}")
+            model.requires_grad_(False)
+            loaded[folder] = model
+        out[cell] = loaded[folder]
+    return out
+
+
+@torch.no_grad()
+def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Mapping[str, Callable]
+                     ) -> tuple[torch.Tensor, list[str]]:
+    """log pi_T of every next token [B, T-1] (float32, as `rl.make_batch` aligns targets), each row from the
+    teacher of its record's cell (`domain/effort`), and the rows' cells.
+
+    A teacher is anything `token_logprobs` can call: ids [b, t] -> logits [b, t, V]. One prefill per teacher
+    over exactly its rows, cut to their longest (right padding never changes earlier positions: causal);
+    positions past a row's end stay 0 (masked by the caller)."""
+    cells = [f"{r['domain']}/{r['effort']}" for r in records]
+    out = torch.zeros(ids_BT.shape[0], ids_BT.shape[1] - 1, dtype=torch.float32)
+    for teacher, rows in losses.route_teachers(cells, teachers).values():
+        n = max(len(records[b]["token_ids"]) for b in rows)
+        logp, _ = token_logprobs(teacher, ids_BT[rows, :n])
+        out[rows, :n - 1] = logp.float()
+    return out, cells
+
+
+def floor_gaps(teacher_BT: torch.Tensor, behaviour_BT: torch.Tensor, floor: float) -> torch.Tensor:
+    """The teacher's log-probs with every gap |log pi_T - log pi_S| < `floor` closed (set to the student's), so
+    `losses.mopd_advantage` gives exactly 0 there.
+
+    Why: sampler and trainer compute log-probs along different paths (cached decode vs a full forward), so even
+    a teacher identical to the student shows gaps of ~1e-6 nats. Muon (and Adam below its eps) is
+    scale-invariant: it turns a gradient of pure noise into a full learning-rate step (measured: a 6e-7
+    gradient norm moved weights by 0.9 lr). A gap under 1e-3 nats is a likelihood ratio within 0.1 %: no
+    distillation signal is lost, and a student that matches its teacher stays put."""
+    if not floor:
+        return teacher_BT
+    return torch.where((teacher_BT - behaviour_BT).abs() < floor, behaviour_BT, teacher_BT)
+
+
+# ---- the step ---------------------------------------------------------------------------------------
+
+
+def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: torch.Tensor,
+                entropy: torch.Tensor, mismatch: torch.Tensor, clip: float | None) -> dict[str, dict]:
+    """Per cell: samples, reverse-KL estimate, clipped fraction, entropy, mismatch KL (token means over the
+    cell's generated tokens), think tokens (trajectory mean), task reward, think-cap rate."""
+    out = {}
+    for cell in dict.fromkeys(cells):
+        rows = [b for b, c in enumerate(cells) if c == cell]
+        m, recs = mask[rows], [records[b] for b in rows]
+        hit = (rkl[rows].abs() > clip) if clip is not None else torch.zeros_like(m)
+        out[cell] = {"n": len(rows), "reverse_kl": _masked_mean(rkl[rows], m),
+                     "clipped_frac": _masked_mean(hit.float(), m),
+                     "entropy": _masked_mean(entropy[rows], m), "mismatch_kl": _masked_mean(mismatch[rows], m),
+                     "think_mean": sum(r["think_tokens"] for r in recs) / len(recs),
+                     "task_reward": sum(r["reward_components"]["task"] for r in recs) / len(recs),
+                     "think_cap_rate": sum(r["stopped_reason"] == "budget" for r in recs) / len(recs)}
+    return out
+
+
+def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teachers: Mapping[str, Callable],
+              tokenizer, roll_cfg: RolloutConfig, step: int) -> tuple[list[dict], dict]:
+    """One MOPD step on `problems` (each with meta domain/effort): the student (`model`, which `engine` runs
+    on) samples, the teachers score, `cfg.ppo_epochs` optimizer steps. Returns the rollout records (with
+    `teacher_cell`, `teacher_logprobs`) and the step's metrics (`step` is 0-based; metrics say step + 1)."""
+    if roll_cfg.group_size != cfg.group_size:
+        raise ValueError(f"mopd_step: rollout group_size {roll_cfg.group_size} != the config's {cfg.group_size}")
+    if roll_cfg.temperature != 1.0:
+        raise ValueError("mopd_step: the student samples at temperature 1 (the teachers score at 1, background §5.4)")
+    t0 = time.perf_counter()
+    records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
+    t1 = time.perf_counter()
+    batch = make_batch(records)
+    mask, behaviour = batch["mask_BT"], batch["behaviour_BT"]
+    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers)
+    t2 = time.perf_counter()
+    floored = floor_gaps(teacher, behaviour, cfg.adv_floor)
+    rewards = batch["rewards_B"] if cfg.alpha else None
+    group = cfg.group_size if cfg.alpha else None
+    model.train()
+    first: dict = {}
+    for epoch in range(cfg.ppo_epochs):
+        logp, entropy = token_logprobs(model, batch["ids_BT"])
+        loss, stats = losses.mopd_loss(logp, behaviour, floored, mask, clip=cfg.clip,
+                                       ratio_clip=cfg.ratio_clip if epoch else None, rewards_B=rewards,
+                                       group_size=group, alpha=cfg.alpha)
+        opt.zero_grad()
+        loss.backward()
+        grad_norm = opt.clip_grad_norm_()
+        opt.step()
+        if epoch == 0:  # the on-policy pass: what the sampled batch says about the student before any update
+            first = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "logp": logp.detach(),
+                     "entropy": entropy, "stats": stats}
+        last_ratio_clip = stats["ratio_clip_frac"]
+    model.eval()
+    rkl = torch.where(mask, behaviour - teacher, 0)
+    mismatch = torch.where(mask, behaviour - first["logp"], 0)
+    for b, r in enumerate(records):
+        r["teacher_cell"] = cells[b]
+        r["teacher_logprobs"] = teacher[b][mask[b]].tolist()
+    n = len(records)
+    hit = (rkl.abs() > cfg.clip) if cfg.clip is not None else torch.zeros_like(mask)
+    metrics = {"step": step + 1, "loss": first["loss"], "grad_norm": first["grad_norm"], "lr": cfg.lr,
+               "reverse_kl": _masked_mean(rkl, mask), "clipped_frac": _masked_mean(hit.float(), mask),
+               "floored_frac": _masked_mean((floored == behaviour).float(), mask),
+               "adv_mean": first["stats"]["adv_mean"], "entropy": _masked_mean(first["entropy"], mask),
+               "mismatch_kl": _masked_mean(mismatch, mask),
+               "think_mean": sum(r["think_tokens"] for r in records) / n,
+               "gen_tokens_mean": sum(sum(r["gen_mask"]) for r in records) / n,
+               "task_reward": sum(r["reward_components"]["task"] for r in records) / n,
+               "format_fail_rate": sum(r["reward_components"]["format"] == 0 for r in records) / n,
+               "think_cap_rate": sum(r["stopped_reason"] == "budget" for r in records) / n,
+               "cells": _cell_stats(records, cells, mask, rkl, first["entropy"], mismatch, cfg.clip),
+               "rollout_s": t1 - t0, "teacher_s": t2 - t1, "train_s": time.perf_counter() - t2}
+    if cfg.ppo_epochs > 1:
+        metrics["ratio_clip_frac_last"] = last_ratio_clip
+    return records, metrics
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    print(f"[distill] {msg}", file=sys.stderr, flush=True)
+
+
+def _check_resume(out: Path, cfg: MOPDConfig) -> MOPDConfig:
+    """`cfg` for resuming the run in `out` (its starting student as saved), or ValueError naming the settings
+    that changed (any but RESUMABLE_CHANGES). The teachers may move (same cells; the paths are not compared)."""
+    saved = MOPDConfig.from_dict(read_json(out / CONFIG_FILE), str(out / CONFIG_FILE))
+    changed = [f"{k}: {getattr(saved, k)!r} -> {v!r}" for k, v in dataclasses.asdict(cfg).items()
+               if getattr(saved, k) != v and k not in RESUMABLE_CHANGES]
+    if sorted(saved.teachers) != sorted(cfg.teachers):
+        changed.append(f"teacher cells: {sorted(saved.teachers)} -> {sorted(cfg.teachers)}")
+    if changed:
+        raise ValueError(f"{out}: resuming a run with changed settings ({'; '.join(changed)}); use a new --out "
+                         f"or the saved settings ({out / CONFIG_FILE})")
+    return dataclasses.replace(cfg, student=saved.student)
+
+
+def _sources(cfg: MOPDConfig, tok, sandbox_options: dict | None) -> dict:
+    from openk3.posttrain.rl_problems import ProblemSource
+
+    sources = {}
+    for cell in cfg.cells:
+        domain, effort = parse_cell(cell, "mopd cells")
+        # ProblemSource's draw is keyed on (domain, seed, step): a per-effort seed keeps general/low and
+        # general/high from drawing the very same problems whenever both come up in one step.
+        seed = cfg.seed * len(THINKING_EFFORTS) + THINKING_EFFORTS.index(effort)
+        sources[cell] = ProblemSource(domain, effort, tok, split=cfg.split, seed=seed, max_turns=cfg.max_turns,
+                                      sandbox_options=sandbox_options)
+    return sources
+
+
+def draw_problems(cfg: MOPDConfig, sources: Mapping, step: int, think_cap: int) -> list[Problem]:
+    """Step `step`'s prompts: `draw_cells`, then each cell's count from its source (cells in `cfg.cells`
+    order), every budget replaced by `think_cap` (no budgets in MOPD)."""
+    drawn = draw_cells(cfg.cells, cfg.prompts_per_step, cfg.seed, step)
+    problems: list[Problem] = []
+    try:
+        for cell in cfg.cells:
+            k = drawn.count(cell)
+            if k:
+                problems += [dataclasses.replace(p, budget=think_cap) for p in sources[cell].draw(step, k, cfg.steps)]
+    except BaseException:
+        release(sources, problems)
+        raise
+    return problems
+
+
+def release(sources: Mapping, problems: list[Problem]) -> None:
+    next(iter(sources.values())).release(problems)  # closes env problems' sandboxes (any source does)
+
+
+def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dict], None] | None = None,
+            sandbox_options: dict | None = None) -> dict:
+    """Run (or resume) MOPD for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics
+    ({} when the run had already finished). on_step(step, metrics) runs after each step's metrics are logged
+    (before its checkpoint)."""
+    import openk3
+    from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.infer.engine import Engine
+    from openk3.train import state as train_state
+    from openk3.train.metrics import MetricsLog, truncate_after
+    from openk3.train.optim import OptimConfig, build_optimizer
+
+    if not cfg.teachers:
+        raise ValueError("no teachers: give --teachers (a JSON file {\"general/high\": DIR, ...})")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_state.clean_leftovers(out)
+    resumed = train_state.load_latest(out)
+    if resumed is not None:
+        cfg = _check_resume(out, cfg)
+        path, state, model, problems = resumed
+        for p in problems:
+            _say(f"warning: skipped a damaged checkpoint: {p}")
+        start = int(state["step"])
+        tok, tok_files = _tokenizer(path)
+        _say(f"resuming {out} at step {start} from {path.name}")
+    else:
+        if not cfg.student:
+            raise ValueError("no student: give --student (a checkpoint folder or a run folder)")
+        path = resolve_checkpoint(cfg.student).resolve()
+        cfg = dataclasses.replace(cfg, student=str(path))
+        tok, tok_files = _tokenizer(path)
+        model = openk3.load(path, dtype=torch.float32)
+        start, state = 0, None
+    write_atomic(out / CONFIG_FILE, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
+    if start >= cfg.steps:
+        return {}
+    teachers = load_teachers(cfg.teachers, cfg.cells, path, model.config.vocab_size)
+    torch.manual_seed(cfg.seed)
+    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, grad_clip=cfg.grad_clip, qk_clip_tau=None))
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        train_state.set_rng_state(state["rng"])
+    metrics_path = out / "metrics.jsonl"
+    truncate_after(str(metrics_path), start)
+    (out / "rollouts").mkdir(exist_ok=True)
+    sources = _sources(cfg, tok, sandbox_options)
+    engine = Engine(model, None, max_num_seqs=min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size),
+                    max_model_len=cfg.max_model_len)
+    # A think count never reaches the context limit, so with no think_cap the sampler's budget stop never fires.
+    think_cap = cfg.think_cap or engine.max_model_len
+    roll_cfg = dict(group_size=cfg.group_size, response_cap=cfg.response_cap, over_budget_reward=THINK_CAP_REWARD)
+    bias_before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    last: dict = {}
+
+    def save(step: int) -> None:
+        train_state.save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(),
+                                                       "config": cfg.to_dict(), "rng": train_state.rng_state()},
+                                    extra_files=tok_files)
+
+    with MetricsLog(str(metrics_path)) as log:
+        for step in range(start, cfg.steps):
+            problems = draw_problems(cfg, sources, step, think_cap)
+            try:
+                records, last = mopd_step(cfg, model, opt, engine, problems, teachers, tok,
+                                          RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
+            finally:
+                release(sources, problems)
+            write_atomic(out / "rollouts" / f"{train_state.step_dir_name(step + 1)}.jsonl",
+                         "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+            log.log(last)
+            _say(f"step {step + 1}/{cfg.steps}: reverse KL {last['reverse_kl']:.4f}, clipped "
+                 f"{last['clipped_frac']:.3f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
+            if on_step is not None:
+                on_step(step + 1, last)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                save(step + 1)
+    for name, before in bias_before.items():
+        assert torch.equal(before, model.get_buffer(name)), f"{name} moved during MOPD (it must stay frozen)"
+    return last
