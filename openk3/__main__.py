@@ -36,6 +36,7 @@ COMMANDS = {
     "generate": "continue text prompts with a checkpoint (streams one prompt; batches several)",
     "chat": "chat with a checkpoint in the XTML format: thinking, multi-turn, tool calls (stdin lines)",
     "serve": "OpenAI-compatible HTTP server over a checkpoint: chat and completions, streaming, tool calls",
+    "posttrain": "the whole post-training pipeline: SFT, RL teachers per domain x effort, MOPD student, merge, eval",
     "merge": "merge fine-tuned checkpoints that share a base: linear, task arithmetic, TIES, DARE, Model Stock",
     "plan": "memory, devices, speed and $ of serving/training a config on real hardware; --audit of K3 claims",
 }

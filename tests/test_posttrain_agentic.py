@@ -260,3 +260,11 @@ def test_bad_arguments_are_value_errors_naming_the_field():
         args = {"domain": "agent", "n_per_cell": 1, "seed": 0, "split": "train", **kwargs}
         with pytest.raises(ValueError, match=field):
             agentic_dataset(args.pop("domain"), args.pop("n_per_cell"), args.pop("seed"), args.pop("split"), **args)
+
+
+def test_implement_spec_draws_again_when_the_final_step_changes_nothing():
+    """A seed whose first draw had no input telling the final step apart raised an AssertionError in eval."""
+    from openk3.agent.tasks import generate
+
+    task = generate("implement_spec", 1445126694, 3, "test")
+    assert task.solution and "cases.json" in task.grader_files

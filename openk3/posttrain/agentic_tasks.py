@@ -145,15 +145,22 @@ def _spec_build(rng: random.Random, difficulty: int, template: str) -> dict:
     from openk3.agent.tasks import fix_test
     from openk3.agent.tasks.base import hmac_digest
 
-    name, spec, source, partial = _spec_source(rng, difficulty, template)
-    module = rng.choice(fix_test.MODULE_NAMES)
-    key = f"{rng.getrandbits(128):032x}"
-    inputs = [[[]]] + [[[rng.randint(-9, 20) for _ in range(rng.randint(4, 10))]] for _ in range(15)]
-    cases = [(args, fix_test._call(source, name, args)[1]) for args in inputs]
-    # The visible cases: the three with the most telling results (long lists, not []), and at least one that
-    # a body without the final step fails (what a recovery episode trips on). Hidden: all sixteen.
-    hits = [c for c in cases if fix_test._call(partial, name, c[0]) != ("ok", c[1])]
-    assert hits, f"implement_spec: no input tells {name}'s final step apart"
+    # Some pipelines' final step changes nothing on any drawn input (e.g. a sort after a sort): such a draw
+    # could not show a missing step, so the generator draws again (from the same rng: still deterministic).
+    for _ in range(50):
+        name, spec, source, partial = _spec_source(rng, difficulty, template)
+        module = rng.choice(fix_test.MODULE_NAMES)
+        key = f"{rng.getrandbits(128):032x}"
+        inputs = [[[]]] + [[[rng.randint(-9, 20) for _ in range(rng.randint(4, 10))]] for _ in range(15)]
+        cases = [(args, fix_test._call(source, name, args)[1]) for args in inputs]
+        # The visible cases: the three with the most telling results (long lists, not []), and at least one
+        # that a body without the final step fails (what a recovery episode trips on). Hidden: all sixteen.
+        hits = [c for c in cases if fix_test._call(partial, name, c[0]) != ("ok", c[1])]
+        if hits:
+            break
+    else:
+        raise ValueError(f"implement_spec: no draw in 50 tells the final step apart (difficulty {difficulty}, "
+                         f"template {template!r})")
     telling = sorted(cases, key=lambda c: -len(json.dumps(c[1])))
     shown = [max(hits, key=lambda c: len(json.dumps(c[1])))]
     shown += [c for c in telling if c is not shown[0]][:2]

@@ -1,0 +1,428 @@
+"""`openk3 posttrain`: the whole post-training pipeline of issue 18 (item 7; background §3.1-3.9).
+
+    run_pipeline("runs/pt", preset="nano", profile="smoke", domains=("general",))
+
+Stages, each in its own sub-folder of the output folder DIR, in this order:
+
+    base                   base/                the starting checkpoint: the preset (cut to the profile's layers),
+                                                randomly initialised, with the byte-level tokenizer; or --base
+    data                   data/sft_train.jsonl reference records of every domain x effort (`general.sft_dataset`,
+                                                `agentic.agentic_dataset`): SFT sees all three verbosities
+    sft                    sft/                 `posttrain.sft.sft` on those records
+    teacher D/max, D/high, D/low
+                           teachers/D-E/        `posttrain.rl.rl` per domain in the chain max -> high -> low: max
+                                                starts from SFT with B_max; high starts from the max teacher and low
+                                                from the high teacher, their budgets annealed from the previous
+                                                effort's (background §3.3)
+    mopd                   student/             `posttrain.mopd.distill`: the student (from SFT) learns every cell
+                                                from its own teacher
+    merge                  merged/              `openk3 merge` of the teachers onto SFT (the profile's method,
+                                                TIES by default): the "nine specialists merged" baseline
+    eval                   eval/                `openk3 eval` of sft, student, merged and every teacher on every
+                                                cell of the chosen domains; DIR/report.json is its report.json
+
+DIR/report.json follows the issue's contract ({"models": {"sft", "student", "merged", "teachers": {"D/E": M}},
+"checkpoints": {same keys -> checkpoint folders}}) for the cells of the chosen domains. DIR/pipeline.json
+records the run's settings, the profile, and per stage its status, seconds and settings. A stage marked
+done there is skipped, so a killed pipeline rerun continues with the first unfinished stage; inside that
+stage SFT, RL and MOPD resume from their own last checkpoint and eval from its finished models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from openk3.chat import THINKING_EFFORTS
+from openk3.fsutil import read_json, write_atomic
+from openk3.posttrain.records import DOMAINS
+
+PIPELINE_FILE = "pipeline.json"
+REPORT_FILE = "report.json"
+#: RL order per domain: each effort's teacher starts from the previous one's (background §3.3).
+CHAIN = ("max", "high", "low")
+#: Settings of a run that a rerun must repeat: its stages were computed with them.
+FIXED_SETTINGS = ("preset", "profile", "domains", "base", "seed")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Profile:
+    """How big each stage is (docs/posttraining.md has the measured times)."""
+
+    name: str
+    layers: int | None  # cut of the preset to this many layers (None: the preset as it is)
+    general_problems: int  # SFT problems per effort of the general domain (x3 records each)
+    agentic_problems: int  # SFT problems per family and effort of agent / coding
+    levels: tuple[int, ...] | None  # general levels in SFT (None: 1-3)
+    sft_steps: int | None  # None: sft_epochs passes over the data
+    sft_epochs: int
+    sft_batch: int
+    sft_seq_len: int  # rows of general-only SFT
+    agentic_seq_len: int  # rows when agent / coding records (2.5-7k byte tokens: tools are declared) are in
+    sft_lr: float
+    sft_overflow: str  # "drop" keeps only whole traces; "truncate" (tiny) keeps every record's start
+    rl_steps: int
+    rl_prompts: int
+    rl_group: int
+    rl_lr: float
+    mopd_steps: int
+    mopd_prompts: int
+    mopd_lr: float
+    mopd_think_cap: int | None  # MOPD's safety cap on think tokens (None: the context limit)
+    eval_n: int  # problems per cell (the contract needs n >= 16 trajectories)
+    eval_samples: int
+    eval_temperature: float  # 0 = greedy (one sample per problem)
+    eval_think_cap: int | None
+    response_cap: int
+    max_turns: int  # agent / coding turns per episode
+    max_model_len: int | None  # context per general trajectory in RL, MOPD and eval (None: the model's)
+    agentic_max_model_len: int  # the same with agent / coding prompts (longer than nano's 4,096 positions)
+    merge_method: str
+    merge_density: float | None
+
+
+PROFILES = {
+    # tests: seconds per stage; general prompts are 360-510 byte tokens, so 600 leaves ~100 generated ones
+    "tiny": Profile(name="tiny", layers=4,
+                    general_problems=2, agentic_problems=1, levels=(1,),
+                    sft_steps=2, sft_epochs=1, sft_batch=2, sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
+                    sft_overflow="truncate",
+                    rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5,
+                    mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
+                    eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
+                    response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
+                    merge_method="ties", merge_density=0.5),
+    # one CPU core, under 12 minutes for general (10m44s measured on a shared core). SFT carries most of it:
+    # the effort ordering comes from the three verbosities of the SFT traces. RL and MOPD take a few steps, so
+    # the curves exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its
+    # traces, and where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34
+    # think tokens sampled, 80 < 87 < 158 greedy)
+    "smoke": Profile(name="smoke", layers=None,
+                     general_problems=48, agentic_problems=4, levels=(1,),
+                     sft_steps=None, sft_epochs=6, sft_batch=2, sft_seq_len=1024, agentic_seq_len=8192, sft_lr=1e-3,
+                     sft_overflow="drop",
+                     rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
+                     mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=448,
+                     eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=448,
+                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=8192,
+                     merge_method="ties", merge_density=0.5),
+    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down
+    "full": Profile(name="full", layers=None,
+                    general_problems=600, agentic_problems=40, levels=None,
+                    sft_steps=None, sft_epochs=2, sft_batch=8, sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
+                    sft_overflow="drop",
+                    rl_steps=100, rl_prompts=8, rl_group=8, rl_lr=1e-5,
+                    mopd_steps=200, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
+                    eval_n=64, eval_samples=2, eval_temperature=1.0, eval_think_cap=None,
+                    response_cap=256, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
+                    merge_method="ties", merge_density=0.5),
+}
+
+
+def parse_domains(text: str | Any) -> tuple[str, ...]:
+    """"general,agent" -> ("general", "agent") in DOMAINS order; ValueError naming --domains otherwise."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    unknown = [p for p in parts if p not in DOMAINS]
+    if not parts or unknown:
+        raise ValueError(f"--domains: expected a comma-separated subset of {','.join(DOMAINS)}, got {text!r}")
+    return tuple(d for d in DOMAINS if d in parts)
+
+
+def cells(domains: tuple[str, ...]) -> list[str]:
+    return [f"{d}/{e}" for d in domains for e in THINKING_EFFORTS]
+
+
+def teacher_dir(out: Path, cell: str) -> Path:
+    return out / "teachers" / cell.replace("/", "-")
+
+
+def contract_problems(report: dict, domains: tuple[str, ...]) -> list[str]:
+    """`evaluate.report_problems` restricted to the cells of `domains` (a general-only run cannot have the
+    agent and coding cells; everything about the cells it ran must hold)."""
+    from openk3.posttrain.evaluate import report_problems
+
+    skipped = [c for c in cells(DOMAINS) if c.split("/")[0] not in domains]
+    return [p for p in report_problems(report) if not any(c in p for c in skipped)]
+
+
+def _say(msg: str) -> None:
+    print(f"[posttrain] {msg}", flush=True)
+
+
+class Pipeline:
+    """The stages of one run folder; `run()` does the ones not yet done (module docstring)."""
+
+    def __init__(self, out: str | os.PathLike, *, preset: str, profile: str | Profile = "smoke",
+                 domains: tuple[str, ...] = DOMAINS, base: str | None = None, seed: int = 0,
+                 threads: int | None = None) -> None:
+        from openk3.config import preset as preset_config
+
+        if isinstance(profile, str):
+            if profile not in PROFILES:
+                raise ValueError(f"--profile: expected one of {', '.join(PROFILES)}, got {profile!r}")
+            profile = PROFILES[profile]
+        domains = parse_domains(",".join(domains))
+        if any(d != "general" for d in domains):
+            from openk3.agent import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason:  # refused, not skipped: a report without those cells would look complete
+                raise ValueError(f"--domains {','.join(domains)}: the agent and coding domains run in sandboxes, "
+                                 f"which cannot run here ({reason}); pass --domains general")
+        if base is None:
+            try:
+                preset_config(preset)  # an unknown preset is an error now, not after the data stage
+            except ValueError as e:
+                raise ValueError(f"--preset: {e}") from None
+        elif not Path(base).exists():
+            raise ValueError(f"--base: no checkpoint or run folder {base}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        # absolute, so that report.json's checkpoint folders hold wherever it is read from
+        self.out, self.preset, self.profile, self.domains = Path(out).resolve(), preset, profile, domains
+        self.base_checkpoint = None if base is None else str(Path(base).resolve())
+        self.seed, self.threads = seed, threads
+        self.settings = {"preset": preset, "profile": profile.name, "domains": list(domains),
+                         "base": self.base_checkpoint, "seed": seed}
+        self.state = self._load_state()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+
+    def _load_state(self) -> dict:
+        path = self.out / PIPELINE_FILE
+        if not path.is_file():
+            return {"settings": self.settings, "profile": dataclasses.asdict(self.profile), "stages": {}}
+        state = read_json(path)
+        saved = state.get("settings", {})
+        changed = [f"{k}: {saved.get(k)!r} -> {self.settings[k]!r}" for k in FIXED_SETTINGS
+                   if saved.get(k) != self.settings[k]]
+        if changed:
+            raise ValueError(f"{path}: this folder holds a pipeline run with other settings ({'; '.join(changed)}); "
+                             "rerun with its settings to continue it, or choose a new --out")
+        return state
+
+    def _save_state(self) -> None:
+        write_atomic(self.out / PIPELINE_FILE, (json.dumps(self.state, indent=1) + "\n").encode())
+
+    def output(self, stage: str) -> Path:
+        """What a stage writes; a stage marked done whose output is gone runs again."""
+        if stage.startswith("teacher "):
+            return teacher_dir(self.out, stage.removeprefix("teacher "))
+        return {"base": self.base_folder(), "data": self.out / "data" / "sft_train.jsonl", "sft": self.out / "sft",
+                "mopd": self.out / "student", "merge": self.out / "merged", "eval": self.out / REPORT_FILE}[stage]
+
+    def done(self, stage: str) -> bool:
+        return self.state["stages"].get(stage, {}).get("status") == "done" and self.output(stage).exists()
+
+    def stage_names(self) -> list[str]:
+        teachers = [f"teacher {d}/{e}" for d in self.domains for e in CHAIN]
+        return ["base", "data", "sft", *teachers, "mopd", "merge", "eval"]
+
+    def run(self, stop_after: str | None = None) -> dict | None:
+        """Run every stage not yet done (or up to and including `stop_after`); returns the report when the
+        eval stage has run."""
+        from openk3.common import setup_cpu
+
+        names = self.stage_names()
+        if stop_after is not None and stop_after not in names:
+            raise ValueError(f"stop_after: no stage {stop_after!r} (stages: {', '.join(names)})")
+        self.out.mkdir(parents=True, exist_ok=True)
+        threads = setup_cpu(self.threads)
+        self.state.setdefault("runs", []).append({"started": time.time(), "threads": threads})
+        self._save_state()
+        _say(f"{self.out}: preset {self.preset}, profile {self.profile.name}, domains {','.join(self.domains)}, "
+             f"{threads} thread(s); {len(names)} stages")
+        for k, name in enumerate(names, 1):
+            if self.done(name):
+                _say(f"stage {k}/{len(names)} {name}: done before, skipped")
+            else:
+                _say(f"stage {k}/{len(names)} {name}: running")
+                t0 = time.perf_counter()
+                settings = self._stage(name)
+                seconds = time.perf_counter() - t0
+                self.state["stages"][name] = {"status": "done", "seconds": round(seconds, 2), "settings": settings}
+                self._save_state()
+                _say(f"stage {k}/{len(names)} {name}: done in {seconds:.1f} s")
+            if name == stop_after:
+                return None
+        return read_json(self.out / REPORT_FILE)
+
+    def _stage(self, name: str) -> dict:
+        if name.startswith("teacher "):
+            return self.teacher(name.removeprefix("teacher "))
+        return getattr(self, name)()
+
+    # ---- stages --------------------------------------------------------------------------------------
+
+    def base_folder(self) -> Path:
+        return Path(self.base_checkpoint) if self.base_checkpoint is not None else self.out / "base"
+
+    def base(self) -> dict:
+        import torch
+
+        import openk3
+        from openk3.config import preset as preset_config
+        from openk3.posttrain.records import byte_tokenizer
+
+        if self.base_checkpoint is not None:
+            return {"base": self.base_checkpoint}
+        cfg = preset_config(self.preset)
+        if self.profile.layers is not None and self.profile.layers < cfg.num_hidden_layers:
+            from openk3.train.config import TrainConfig, apply_overrides
+
+            # the trainer's override re-derives the KDA/MLA layout and AttnRes blocks for the new depth
+            cfg = apply_overrides(TrainConfig(model=cfg), [f"model.num_hidden_layers={self.profile.layers}"]).model
+        tok = byte_tokenizer()
+        if tok.vocab_size > cfg.vocab_size:
+            raise ValueError(f"--preset {self.preset}: vocabulary {cfg.vocab_size} is smaller than the byte-level "
+                             f"tokenizer's {tok.vocab_size} ids; give a pretrained --base with its tokenizer")
+        model = openk3.K3ForCausalLM.build(cfg, seed=self.seed).eval()
+        folder = self.out / "base"
+        openk3.save(model, folder, dtype=torch.float32)
+        tok.save(str(folder))
+        return {"layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size, "tokenizer": "byte-level",
+                "init_seed": self.seed}
+
+    def context(self, domains: tuple[str, ...]) -> int | None:
+        """max_model_len for trajectories of these domains."""
+        p = self.profile
+        return p.max_model_len if set(domains) == {"general"} else p.agentic_max_model_len
+
+    def tokenizer(self):
+        from openk3.checkpoint.load import resolve_checkpoint
+        from openk3.tokenizer import Tokenizer
+
+        return Tokenizer.from_dir(str(resolve_checkpoint(self.base_folder())))
+
+    def data(self) -> dict:
+        from collections import Counter
+
+        from openk3.posttrain.budget import BudgetConfig
+        from openk3.posttrain.general import sft_dataset
+        from openk3.posttrain.records import write_jsonl
+
+        p, tok = self.profile, self.tokenizer()
+        records = []
+        for domain in self.domains:
+            if domain == "general":
+                records += sft_dataset(p.general_problems, self.seed, "train", tokenizer=tok, budget=BudgetConfig(),
+                                       levels=p.levels)
+            else:
+                from openk3.posttrain.agentic import agentic_dataset
+
+                records += agentic_dataset(domain, p.agentic_problems, self.seed, "train", tokenizer=tok)
+        path = self.out / "data" / "sft_train.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(path, records)
+        counts = Counter(f"{r['domain']}/{r['effort']}" for r in records)
+        think = {c: round(sum(r["stats"]["think_tokens"] for r in records if f"{r['domain']}/{r['effort']}" == c)
+                          / counts[c], 1) for c in counts}
+        return {"file": str(path), "records": len(records), "per_cell": dict(counts), "think_tokens_mean": think}
+
+    def sft(self) -> dict:
+        from openk3.posttrain.sft import SFTConfig, sft
+        from openk3.train.optim import OptimConfig
+
+        p = self.profile
+        cfg = SFTConfig(base=str(self.base_folder()), data=(str(self.out / "data" / "sft_train.jsonl"),),
+                        optim=OptimConfig(lr=p.sft_lr), batch_size=p.sft_batch,
+                        seq_len=p.sft_seq_len if self.domains == ("general",) else p.agentic_seq_len,
+                        epochs=p.sft_epochs, max_steps=p.sft_steps, overflow=p.sft_overflow, seed=self.seed,
+                        save_every=0, threads=self.threads)
+        summary = sft(cfg, self.out / "sft", progress=False)
+        return {"config": cfg.to_dict(), "steps": summary["steps"], "final_loss": summary["final_loss"],
+                "conversations": summary["conversations"], "dropped_too_long": summary["dropped_too_long"],
+                "truncated": summary["truncated"]}
+
+    def teacher(self, cell: str) -> dict:
+        from openk3.checkpoint.load import resolve_checkpoint
+        from openk3.posttrain.rl import RLConfig, rl
+
+        domain, effort = cell.split("/")
+        k = CHAIN.index(effort)
+        previous = None if k == 0 else CHAIN[k - 1]
+        # the exact checkpoint, so pipeline.json says which step each teacher started from
+        start = resolve_checkpoint(self.out / "sft" if previous is None
+                                   else teacher_dir(self.out, f"{domain}/{previous}"))
+        p = self.profile
+        cfg = RLConfig(model=str(start), domain=domain, effort=effort, steps=p.rl_steps, prompts_per_step=p.rl_prompts,
+                       group_size=p.rl_group, lr=p.rl_lr, budget_from_effort=previous, response_cap=p.response_cap,
+                       max_turns=p.max_turns, seed=self.seed, save_every=p.rl_steps,
+                       max_model_len=self.context((domain,)))
+        last = rl(cfg, teacher_dir(self.out, cell))
+        return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reward", "over_budget_rate", "think_mean")}}
+
+    def teachers(self) -> dict[str, str]:
+        return {c: str(teacher_dir(self.out, c)) for c in cells(self.domains)}
+
+    def mopd(self) -> dict:
+        from openk3.checkpoint.load import resolve_checkpoint
+        from openk3.posttrain.mopd import MOPDConfig, distill
+
+        p = self.profile
+        cfg = MOPDConfig(student=str(resolve_checkpoint(self.out / "sft")), teachers=self.teachers(),
+                         cells=tuple(cells(self.domains)),
+                         steps=p.mopd_steps, prompts_per_step=p.mopd_prompts, lr=p.mopd_lr,
+                         response_cap=p.response_cap, think_cap=p.mopd_think_cap, seed=self.seed,
+                         max_turns=p.max_turns, save_every=p.mopd_steps, max_model_len=self.context(self.domains))
+        last = distill(cfg, self.out / "student")
+        return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reverse_kl", "clipped_frac", "think_mean")}}
+
+    def merge(self) -> dict:
+        from openk3.commands import merge as command
+
+        p = self.profile
+        argv = ["--base", str(self.out / "sft"), "--models", *self.teachers().values(), "--method", p.merge_method,
+                "--out", str(self.out / "merged")]
+        if p.merge_density is not None:
+            argv += ["--density", str(p.merge_density)]
+        _command(command, argv)
+        return {"argv": ["openk3", "merge", *argv]}
+
+    def eval(self) -> dict:
+        from openk3.commands import eval as command
+
+        p = self.profile
+        models = [f"sft={self.out / 'sft'}", f"student={self.out / 'student'}", f"merged={self.out / 'merged'}",
+                  *(f"{c}={path}" for c, path in self.teachers().items())]
+        argv = ["--models", *models, "--out", str(self.out / "eval"), "--cells", ",".join(self.domains),
+                "--n", str(p.eval_n), "--samples", str(p.eval_samples), "--temperature", str(p.eval_temperature),
+                "--seed", str(self.seed),
+                "--response-cap", str(p.response_cap), "--max-turns", str(p.max_turns),
+                "--teacher-metrics", *(f"{c}={path}/metrics.jsonl" for c, path in self.teachers().items()),
+                "--mopd-metrics", str(self.out / "student" / "metrics.jsonl")]
+        if p.eval_think_cap is not None:
+            argv += ["--think-cap", str(p.eval_think_cap)]
+        if self.context(self.domains) is not None:
+            argv += ["--max-model-len", str(self.context(self.domains))]
+        if self.threads is not None:
+            argv += ["--threads", str(self.threads)]
+        _command(command, argv)
+        report = read_json(self.out / "eval" / REPORT_FILE)
+        write_atomic(self.out / REPORT_FILE, (json.dumps(report, indent=1) + "\n").encode())
+        problems = contract_problems(report, self.domains)
+        if problems:  # the stages all ran, so this is a bug, not a partial run
+            raise RuntimeError(f"{self.out / REPORT_FILE} breaks the issue-18 contract: {'; '.join(problems[:5])}")
+        return {"argv": ["openk3", "eval", *argv]}
+
+
+def _command(module, argv: list[str]) -> None:
+    """Run an `openk3` command module with these arguments, as `openk3 <command> ARGV` would."""
+    parser = argparse.ArgumentParser(prog=f"openk3 {module.__name__.rsplit('.', 1)[-1]}")
+    module.add_arguments(parser)
+    code = module.main(parser.parse_args(argv))
+    if code:
+        raise RuntimeError(f"openk3 {module.__name__.rsplit('.', 1)[-1]} exited with {code}")
+
+
+def run_pipeline(out: str | os.PathLike, *, preset: str, profile: str | Profile = "smoke",
+                 domains: tuple[str, ...] = DOMAINS, base: str | None = None, seed: int = 0,
+                 threads: int | None = None, stop_after: str | None = None) -> dict | None:
+    """Run (or continue) the pipeline in `out`; returns DIR/report.json (None when stopped early)."""
+    return Pipeline(out, preset=preset, profile=profile, domains=domains, base=base, seed=seed,
+                    threads=threads).run(stop_after=stop_after)

@@ -1,0 +1,176 @@
+"""`openk3 posttrain` (issue 18 item 7): the whole pipeline, SFT data -> SFT -> teachers -> MOPD -> merge -> eval.
+
+The `tiny` profile (a 4-layer cut of nano, the byte tokenizer, one or two steps per stage, n = 16 per cell)
+runs end to end for the general domain and gives a report.json that follows the issue's contract for the
+cells it ran, with checkpoints that `openk3.load` opens; a run stopped after a stage continues with the next
+one on a rerun (done stages are skipped, their outputs untouched); bad arguments name the flag. One thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import openk3
+from openk3.chat import THINKING_EFFORTS
+from openk3.posttrain.evaluate import MIN_N
+from openk3.posttrain.pipeline import Pipeline, contract_problems, parse_domains, run_pipeline
+
+GENERAL = [f"general/{e}" for e in THINKING_EFFORTS]
+
+
+def parser() -> argparse.ArgumentParser:
+    from openk3.commands import posttrain as command
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    return p
+
+
+def run_command(*argv: str) -> int:
+    from openk3.commands import posttrain as command
+
+    return command.main(parser().parse_args(list(argv)))
+
+
+def stage_lines(printed: str) -> dict[str, str]:
+    """{stage: "ran" | "skipped"} from the pipeline's progress lines."""
+    out = {}
+    for line in printed.splitlines():
+        if line.startswith("[posttrain] stage ") and line.endswith((": running", ": done before, skipped")):
+            name = line.split(" ", 3)[3].rsplit(":", 1)[0]
+            out[name] = "skipped" if line.endswith("skipped") else "ran"
+    return out
+
+
+@pytest.mark.slow  # about 35 s on one thread: nine cells' worth of evaluation (6 models x 3 cells x 16)
+def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_path, capsys):
+    out = tmp_path / "pt"
+    assert run_command("--preset", "nano", "--out", str(out), "--profile", "tiny", "--domains", "general",
+                       "--threads", "1") == 0
+    printed = capsys.readouterr().out
+    assert set(stage_lines(printed).values()) == {"ran"}
+    assert list(stage_lines(printed)) == ["base", "data", "sft", "teacher general/max", "teacher general/high",
+                                          "teacher general/low", "mopd", "merge", "eval"]
+    assert "[posttrain] done" in printed
+    for name in ("sft", "student", "merged"):  # the summary says whether thinking is ordered by effort
+        assert f"[posttrain] {name} general: accuracy low " in printed
+    assert printed.count("(ordered low < high < max: ") == 3
+
+    report = json.loads((out / "report.json").read_text())
+    assert contract_problems(report, ("general",)) == []
+    models, checkpoints = report["models"], report["checkpoints"]
+    assert set(models) == {"sft", "student", "merged", "teachers"} and set(models["teachers"]) == set(GENERAL)
+    for m in [models[k] for k in ("sft", "student", "merged")] + list(models["teachers"].values()):
+        assert set(m) == {"general"} and set(m["general"]) == set(THINKING_EFFORTS)
+        assert all(c["n"] >= MIN_N and 0 <= c["accuracy"] <= 1 for c in m["general"].values())
+    # every checkpoint opens, and each is the stage's own (the teachers differ from SFT after their RL step)
+    folders = [checkpoints[k] for k in ("sft", "student", "merged")] + list(checkpoints["teachers"].values())
+    assert len(set(folders)) == 6
+    weights = {}
+    for folder in folders:
+        model = openk3.load(folder)
+        weights[folder] = model.model.embed_tokens.weight.detach().clone()
+    assert str(out / "sft") in checkpoints["sft"] and str(out / "merged") == checkpoints["merged"]
+    assert not weights[checkpoints["sft"]].equal(weights[checkpoints["teachers"]["general/max"]])
+
+    state = json.loads((out / "pipeline.json").read_text())
+    assert state["settings"] == {"preset": "nano", "profile": "tiny", "domains": ["general"], "base": None, "seed": 0}
+    assert state["profile"]["eval_n"] >= MIN_N
+    assert all(s["status"] == "done" for s in state["stages"].values()) and len(state["stages"]) == 9
+    # the chain: max from SFT with its own budget, high from max and low from high with annealed budgets
+    chain = {c: state["stages"][f"teacher {c}"]["settings"]["config"] for c in GENERAL}
+    assert chain["general/max"]["model"].endswith("sft/checkpoints/step_000002")
+    assert chain["general/max"]["budget_from_effort"] is None
+    for cell, start, budget_from in (("general/high", "general-max", "max"), ("general/low", "general-high", "high")):
+        assert f"teachers/{start}/" in chain[cell]["model"] and chain[cell]["budget_from_effort"] == budget_from
+    # SFT saw all three verbosities, longest at max
+    think = state["stages"]["data"]["settings"]["think_tokens_mean"]
+    assert think["general/low"] < think["general/high"] < think["general/max"]
+    assert (out / "eval" / "report.md").is_file() and (out / "eval" / "teacher_rl.png").is_file()
+
+    # a rerun of a finished pipeline does nothing and leaves the report as it was
+    before = (out / "report.json").read_bytes()
+    assert run_command("--preset", "nano", "--out", str(out), "--profile", "tiny", "--domains", "general",
+                       "--threads", "1") == 0
+    assert set(stage_lines(capsys.readouterr().out).values()) == {"skipped"}
+    assert (out / "report.json").read_bytes() == before
+
+
+def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
+    out = tmp_path / "pt"
+    # "killed" after SFT: the next run must not redo base, data or SFT
+    assert run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1, stop_after="sft") is None
+    assert stage_lines(capsys.readouterr().out) == {"base": "ran", "data": "ran", "sft": "ran"}
+    assert not (out / "teachers").exists()
+    sft_weights = next((out / "sft" / "checkpoints").glob("step_*/*.safetensors"))
+    stamp = sft_weights.stat().st_mtime_ns
+    data_stamp = (out / "data" / "sft_train.jsonl").stat().st_mtime_ns
+
+    run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1,
+                 stop_after="teacher general/max")
+    assert stage_lines(capsys.readouterr().out) == {"base": "skipped", "data": "skipped", "sft": "skipped",
+                                                    "teacher general/max": "ran"}
+    assert sft_weights.stat().st_mtime_ns == stamp
+    assert (out / "data" / "sft_train.jsonl").stat().st_mtime_ns == data_stamp
+    openk3.load(out / "teachers" / "general-max")
+    state = json.loads((out / "pipeline.json").read_text())
+    assert set(state["stages"]) == {"base", "data", "sft", "teacher general/max"} and len(state["runs"]) == 2
+
+    # a stage marked done whose output is gone runs again
+    (out / "data" / "sft_train.jsonl").unlink()
+    run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1, stop_after="data")
+    assert stage_lines(capsys.readouterr().out) == {"base": "skipped", "data": "ran"}
+
+    # the folder's run is kept: other settings are refused, naming them
+    with pytest.raises(ValueError, match=r"other settings \(profile: 'tiny' -> 'smoke'\)"):
+        Pipeline(out, preset="nano", profile="smoke", domains=("general",))
+    with pytest.raises(ValueError, match="stop_after: no stage 'teacher agent/max'"):
+        run_pipeline(out, preset="nano", profile="tiny", domains=("general",), stop_after="teacher agent/max")
+
+
+def test_bad_arguments_name_the_flag(tmp_path):
+    out = str(tmp_path / "pt")
+    with pytest.raises(ValueError, match="--profile: expected one of tiny, smoke, full, got 'huge'"):
+        run_command("--preset", "nano", "--out", out, "--profile", "huge")
+    with pytest.raises(ValueError, match="--domains: expected a comma-separated subset of general,agent,coding, "
+                                         "got 'general,robots'"):
+        run_command("--preset", "nano", "--out", out, "--domains", "general,robots")
+    with pytest.raises(ValueError, match="--domains"):
+        parse_domains(",")
+    with pytest.raises(ValueError, match="--preset: unknown preset 'nanoo'"):
+        run_command("--preset", "nanoo", "--out", out, "--domains", "general")
+    with pytest.raises(ValueError, match="--base: no checkpoint or run folder"):
+        run_command("--preset", "nano", "--out", out, "--domains", "general", "--base", str(tmp_path / "none"))
+    with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
+        run_command("--preset", "nano", "--out", out, "--domains", "general", "--threads", "0")
+    with pytest.raises(SystemExit):  # argparse: --preset and --out are required
+        parser().parse_args(["--out", out])
+    assert not (tmp_path / "pt").exists()  # nothing was started
+
+
+def test_sandbox_domains_are_refused_with_the_reason_not_skipped(tmp_path, monkeypatch):
+    import openk3.agent
+
+    monkeypatch.setattr(openk3.agent, "unavailable_reason", lambda: "bubblewrap (bwrap) is not installed")
+    for domains in ("general,agent,coding", "coding"):
+        with pytest.raises(ValueError, match=r"sandboxes, which cannot run here \(bubblewrap \(bwrap\) is not "
+                                             r"installed\); pass --domains general"):
+            run_command("--preset", "nano", "--out", str(tmp_path / "pt"), "--domains", domains)
+    # general alone needs no sandbox
+    assert Pipeline(tmp_path / "pt", preset="nano", profile="tiny", domains=("general",)).domains == ("general",)
+
+
+def test_contract_is_checked_on_the_cells_that_ran():
+    cell = {"accuracy": 0.5, "thinking_tokens": 3.0, "n": 16}
+    m = {"general": {e: dict(cell) for e in THINKING_EFFORTS}}
+    report = {"models": {"sft": m, "student": m, "merged": m, "teachers": {c: m for c in GENERAL}},
+              "checkpoints": {"sft": "a", "student": "b", "merged": "c", "teachers": {c: "t" for c in GENERAL}}}
+    assert contract_problems(report, ("general",)) == []
+    assert contract_problems(report, ("general", "agent"))  # the agent cells are missing
+    report["models"]["student"] = {"general": {"low": cell, "high": cell, "max": {**cell, "n": 15}}}
+    assert contract_problems(report, ("general",)) == ["models.student.general/max: n = 15 < 16"]
+    del report["checkpoints"]["teachers"]["general/low"]
+    assert "checkpoints: no folder for teachers/general/low" in contract_problems(report, ("general",))
