@@ -13,6 +13,7 @@ import pytest
 
 from openk3.agent import Sandbox, SandboxError, SandboxUnavailable, unavailable_reason
 from openk3.agent import sandbox as sandbox_mod
+from openk3.agent.proc import children
 
 WHY = unavailable_reason()
 needs_sandbox = pytest.mark.skipif(WHY is not None, reason=f"no sandbox on this host: {WHY}")
@@ -109,8 +110,9 @@ def test_close_kills_everything_and_removes_the_store():
     root = sb.store.root
     t = threading.Thread(target=sb.run, args=("sleep 300",), daemon=True)
     t.start()
-    for _ in range(200):
-        if sb.pid is not None:
+    for _ in range(500):  # until the call runs (its sleep is a process inside)
+        agent = sb.agent_pid()
+        if agent is not None and any(children(c) for c in children(agent)):
             break
         threading.Event().wait(0.01)
     pid = sb.pid

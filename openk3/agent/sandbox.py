@@ -174,6 +174,7 @@ class Sandbox:
         self._lock = threading.RLock()
         self._proc: subprocess.Popen | None = None
         self._probing = _probe
+        self._closing = False  # set by close() before it kills anything: no new incarnation may start
         self.sandbox_uid = sandbox_uid
         if _parent is not None:
             self.store, snap_id, self.limits = _parent
@@ -282,6 +283,7 @@ class Sandbox:
     def close(self) -> None:
         """Kill everything the sandbox started and remove its folders (layers go with the last of a family).
         Safe to call from another thread while a `run` is in progress: that call returns with an error."""
+        self._closing = True
         proc = self._proc
         if proc is not None:
             proc.kill()  # first, without the lock, so a call blocked on this sandbox ends now
@@ -438,8 +440,13 @@ class Sandbox:
     def _request(self, req: dict, wait: float) -> dict:
         self._check_open()
         if self._proc is None or self._proc.poll() is not None:
+            if self._closing:
+                raise SandboxError("the sandbox is closed")
             self._proc = None
             self._start()
+            if self._closing:  # close() began while this incarnation started: it must not outlive close()
+                self._stop(save=False)
+                raise SandboxError("the sandbox is closed")
         proc = self._proc
         try:
             proc.stdin.write((json.dumps(req) + "\n").encode())
