@@ -40,7 +40,6 @@ import hashlib
 import json
 import os
 import random
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -49,11 +48,20 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.fsutil import read_json, write_atomic
+from openk3.fsutil import read_json
 from openk3.posttrain import losses
 from openk3.posttrain.records import DOMAINS, SPLITS
-from openk3.posttrain.rl import _masked_mean, _tokenizer, make_batch, token_logprobs
+from openk3.posttrain.rl import make_batch, masked_mean, token_logprobs
 from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
+from openk3.posttrain.run import (
+    check_router_biases,
+    open_run,
+    optimizer_for,
+    router_biases,
+    save_step,
+    say,
+    write_rollouts,
+)
 
 CONFIG_FILE = "mopd_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
@@ -262,9 +270,9 @@ def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: 
         rows = [b for b, c in enumerate(cells) if c == cell]
         m, recs = mask[rows], [records[b] for b in rows]
         hit = (rkl[rows].abs() > clip) if clip is not None else torch.zeros_like(m)
-        out[cell] = {"n": len(rows), "reverse_kl": _masked_mean(rkl[rows], m),
-                     "clipped_frac": _masked_mean(hit.float(), m),
-                     "entropy": _masked_mean(entropy[rows], m), "mismatch_kl": _masked_mean(mismatch[rows], m),
+        out[cell] = {"n": len(rows), "reverse_kl": masked_mean(rkl[rows], m),
+                     "clipped_frac": masked_mean(hit.float(), m),
+                     "entropy": masked_mean(entropy[rows], m), "mismatch_kl": masked_mean(mismatch[rows], m),
                      "think_mean": sum(r["think_tokens"] for r in recs) / len(recs),
                      "task_reward": sum(r["reward_components"]["task"] for r in recs) / len(recs),
                      "think_cap_rate": sum(r["stopped_reason"] == "budget" for r in recs) / len(recs)}
@@ -314,10 +322,10 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     n = len(records)
     hit = (rkl.abs() > cfg.clip) if cfg.clip is not None else torch.zeros_like(mask)
     metrics = {"step": step + 1, "loss": first["loss"], "grad_norm": first["grad_norm"], "lr": cfg.lr,
-               "reverse_kl": _masked_mean(rkl, mask), "clipped_frac": _masked_mean(hit.float(), mask),
-               "floored_frac": _masked_mean((floored == behaviour).float(), mask),
-               "adv_mean": first["stats"]["adv_mean"], "entropy": _masked_mean(first["entropy"], mask),
-               "mismatch_kl": _masked_mean(mismatch, mask),
+               "reverse_kl": masked_mean(rkl, mask), "clipped_frac": masked_mean(hit.float(), mask),
+               "floored_frac": masked_mean((floored == behaviour).float(), mask),
+               "adv_mean": first["stats"]["adv_mean"], "entropy": masked_mean(first["entropy"], mask),
+               "mismatch_kl": masked_mean(mismatch, mask),
                "think_mean": sum(r["think_tokens"] for r in records) / n,
                "gen_tokens_mean": sum(sum(r["gen_mask"]) for r in records) / n,
                "task_reward": sum(r["reward_components"]["task"] for r in records) / n,
@@ -334,7 +342,7 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
 
 
 def _say(msg: str) -> None:
-    print(f"[distill] {msg}", file=sys.stderr, flush=True)
+    say("distill", msg)
 
 
 def _check_resume(out: Path, cfg: MOPDConfig) -> MOPDConfig:
@@ -390,44 +398,20 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     """Run (or resume) MOPD for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics
     ({} when the run had already finished). on_step(step, metrics) runs after each step's metrics are logged
     (before its checkpoint)."""
-    import openk3
-    from openk3.checkpoint.load import resolve_checkpoint
     from openk3.infer.engine import Engine
-    from openk3.train import state as train_state
     from openk3.train.metrics import MetricsLog, truncate_after
-    from openk3.train.optim import OptimConfig, build_optimizer
 
     if not cfg.teachers:
         raise ValueError("no teachers: give --teachers (a JSON file {\"general/high\": DIR, ...})")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train_state.clean_leftovers(out)
-    resumed = train_state.load_latest(out)
-    if resumed is not None:
-        cfg = _check_resume(out, cfg)
-        path, state, model, problems = resumed
-        for p in problems:
-            _say(f"warning: skipped a damaged checkpoint: {p}")
-        start = int(state["step"])
-        tok, tok_files = _tokenizer(path)
-        _say(f"resuming {out} at step {start} from {path.name}")
-    else:
-        if not cfg.student:
-            raise ValueError("no student: give --student (a checkpoint folder or a run folder)")
-        path = resolve_checkpoint(cfg.student).resolve()
-        cfg = dataclasses.replace(cfg, student=str(path))
-        tok, tok_files = _tokenizer(path)
-        model = openk3.load(path, dtype=torch.float32)
-        start, state = 0, None
-    write_atomic(out / CONFIG_FILE, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
+    run = open_run(out, cfg, config_file=CONFIG_FILE, start_field="student", missing="no student: give --student",
+                   tag="distill", check_resume=_check_resume)
+    cfg, model, tok, start = run.cfg, run.model, run.tok, run.start
     if start >= cfg.steps:
         return {}
-    teachers = load_teachers(cfg.teachers, cfg.cells, path, model.config.vocab_size)
+    teachers = load_teachers(cfg.teachers, cfg.cells, run.folder, model.config.vocab_size)
     torch.manual_seed(cfg.seed)
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, grad_clip=cfg.grad_clip, qk_clip_tau=None))
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        train_state.set_rng_state(state["rng"])
+    opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
     metrics_path = out / "metrics.jsonl"
     truncate_after(str(metrics_path), start)
     (out / "rollouts").mkdir(exist_ok=True)
@@ -437,14 +421,8 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     # A think count never reaches the context limit, so with no think_cap the sampler's budget stop never fires.
     think_cap = cfg.think_cap or engine.max_model_len
     roll_cfg = dict(group_size=cfg.group_size, response_cap=cfg.response_cap, over_budget_reward=THINK_CAP_REWARD)
-    bias_before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    bias_before = router_biases(model)
     last: dict = {}
-
-    def save(step: int) -> None:
-        train_state.save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(),
-                                                       "config": cfg.to_dict(), "rng": train_state.rng_state()},
-                                    extra_files=tok_files)
-
     with MetricsLog(str(metrics_path)) as log:
         for step in range(start, cfg.steps):
             problems = draw_problems(cfg, sources, step, think_cap)
@@ -453,15 +431,13 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
                                           RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
             finally:
                 release(sources, problems)
-            write_atomic(out / "rollouts" / f"{train_state.step_dir_name(step + 1)}.jsonl",
-                         "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+            write_rollouts(out, step + 1, records)
             log.log(last)
             _say(f"step {step + 1}/{cfg.steps}: reverse KL {last['reverse_kl']:.4f}, clipped "
                  f"{last['clipped_frac']:.3f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
             if on_step is not None:
                 on_step(step + 1, last)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save(step + 1)
-    for name, before in bias_before.items():
-        assert torch.equal(before, model.get_buffer(name)), f"{name} moved during MOPD (it must stay frozen)"
+                save_step(out, step + 1, model, opt, cfg, run.tok_files)
+    check_router_biases(model, bias_before, "MOPD")
     return last

@@ -29,10 +29,8 @@ and continues exactly as the uninterrupted run would (problems and sampler seeds
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,12 +39,21 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.fsutil import read_json, write_atomic
+from openk3.fsutil import read_json
 from openk3.posttrain import losses
 from openk3.posttrain.budget import B_FLOOR, BudgetConfig
 from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl_problems import ProblemSource
 from openk3.posttrain.rollout import RESPONSE_CAP, RolloutConfig, rollout
+from openk3.posttrain.run import (
+    check_router_biases,
+    open_run,
+    optimizer_for,
+    router_biases,
+    save_step,
+    say,
+    write_rollouts,
+)
 
 LOSSES = ("kimi", "grpo")
 CONFIG_FILE = "rl_config.json"
@@ -158,7 +165,7 @@ def token_logprobs(model, ids_BT: torch.Tensor, temperature: float = 1.0) -> tup
     return logp, entropy
 
 
-def _masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
+def masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
     n = int(m.sum())
     return float(torch.where(m, x, 0).sum() / n) if n else 0.0
 
@@ -218,8 +225,8 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
     model.eval()
     mask = batch["mask_BT"]
     metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss.detach()),
-               "entropy": _masked_mean(entropy, mask),
-               "mismatch_kl": _masked_mean(batch["behaviour_BT"] - logp.detach(), mask),
+               "entropy": masked_mean(entropy, mask),
+               "mismatch_kl": masked_mean(batch["behaviour_BT"] - logp.detach(), mask),
                "grad_norm": float(grad_norm), "lr": cfg.lr,
                **{f"loss_{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
                "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1}
@@ -230,18 +237,7 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
 
 
 def _say(msg: str) -> None:
-    print(f"[rl] {msg}", file=sys.stderr, flush=True)
-
-
-def _tokenizer(folder: Path):
-    from openk3.tokenizer import Tokenizer
-
-    if not (folder / "tiktoken.model").is_file():
-        raise ValueError(f"{folder}: the checkpoint has no tokenizer (tiktoken.model); RL renders prompts and "
-                         "parses answers with the model's own tokenizer")
-    files = {name: str(folder / name) for name in ("tiktoken.model", "tokenizer_config.json")
-             if (folder / name).is_file()}
-    return Tokenizer.from_dir(str(folder)), files
+    say("rl", msg)
 
 
 def _check_resume(out: Path, cfg: RLConfig) -> RLConfig:
@@ -262,39 +258,15 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
 
     on_step(step, metrics) is called after each step's metrics are logged (before its checkpoint).
     """
-    import openk3
-    from openk3.checkpoint.load import resolve_checkpoint
     from openk3.infer.engine import Engine
-    from openk3.train import state as train_state
     from openk3.train.metrics import MetricsLog, truncate_after
-    from openk3.train.optim import OptimConfig, build_optimizer
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    train_state.clean_leftovers(out)
-    resumed = train_state.load_latest(out)
-    if resumed is not None:
-        cfg = _check_resume(out, cfg)
-        path, state, model, problems = resumed
-        for p in problems:
-            _say(f"warning: skipped a damaged checkpoint: {p}")
-        start = int(state["step"])
-        tok, tok_files = _tokenizer(path)
-        _say(f"resuming {out} at step {start} from {path.name}")
-    else:
-        if not cfg.model:
-            raise ValueError("no starting model: give --model (a checkpoint folder or a run folder)")
-        folder = resolve_checkpoint(cfg.model).resolve()
-        cfg = dataclasses.replace(cfg, model=str(folder))
-        tok, tok_files = _tokenizer(folder)
-        model = openk3.load(folder, dtype=torch.float32)
-        start, state = 0, None
-    write_atomic(out / CONFIG_FILE, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
+    run = open_run(out, cfg, config_file=CONFIG_FILE, start_field="model", missing="no starting model: give --model",
+                   tag="rl", check_resume=_check_resume)
+    cfg, model, tok, start = run.cfg, run.model, run.tok, run.start
     torch.manual_seed(cfg.seed)
-    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, grad_clip=cfg.grad_clip, qk_clip_tau=None))
-    if state is not None:
-        opt.load_state_dict(state["optimizer"])
-        train_state.set_rng_state(state["rng"])
+    opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
     metrics_path = out / "metrics.jsonl"
     truncate_after(str(metrics_path), start)
     (out / "rollouts").mkdir(exist_ok=True)
@@ -305,14 +277,8 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     engine = Engine(model, None, max_num_seqs=min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size),
                     max_model_len=cfg.max_model_len)
     roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)
-    bias_before = {n: b.clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    bias_before = router_biases(model)
     last: dict = {}
-
-    def save(step: int) -> None:
-        train_state.save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(),
-                                                       "config": cfg.to_dict(), "rng": train_state.rng_state()},
-                                    extra_files=tok_files)
-
     with MetricsLog(str(metrics_path)) as log:
         for step in range(start, cfg.steps):
             problems = source.draw(step, cfg.prompts_per_step, cfg.steps)
@@ -321,15 +287,13 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
                                         RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
             finally:
                 source.release(problems)
-            write_atomic(out / "rollouts" / f"{train_state.step_dir_name(step + 1)}.jsonl",
-                         "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+            write_rollouts(out, step + 1, records)
             log.log(last)
             _say(f"step {step + 1}/{cfg.steps}: reward {last['reward']:.3f}, over budget "
                  f"{last['over_budget_rate']:.2f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
             if on_step is not None:
                 on_step(step + 1, last)
             if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save(step + 1)
-    for name, before in bias_before.items():
-        assert torch.equal(before, model.get_buffer(name)), f"{name} moved during RL (it must stay frozen)"
+                save_step(out, step + 1, model, opt, cfg, run.tok_files)
+    check_router_biases(model, bias_before, "RL")
     return last
