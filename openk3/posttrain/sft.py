@@ -170,28 +170,6 @@ def apply_overrides(cfg: SFTConfig, overrides: list[str] | tuple[str, ...]) -> S
     return dataclasses.replace(cfg, **top)
 
 
-def resume_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
-    """(free, refused) "key: old -> new" lines between a checkpoint's config and `new` (SFT_RESUME_FREE)."""
-    from openk3.train.config import config_diff
-
-    free, refused = [], []
-    for key, a, b in config_diff(old, new):
-        (free if key in SFT_RESUME_FREE else refused).append(f"{key}: {a!r} -> {b!r}")
-    return free, refused
-
-
-def record_config(out: Path, cfg: SFTConfig, *, step: int | None, changes: list[str]) -> None:
-    """`out/sft_config.json` = the config in force; a changed one first goes to sft_config_history.jsonl."""
-    path = out / "sft_config.json"
-    if changes and path.is_file():
-        entry = {"step": step, "time": time.time(), "changes": changes, "previous": read_json(path)}
-        with open(out / "sft_config_history.jsonl", "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-    cfg.to_json(path)
-
-
 def _say(msg: str) -> None:
     print(f"[sft] {msg}", flush=True)
 
@@ -267,11 +245,18 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     """
     import openk3
     from openk3.common import resolve_device, seed_everything, setup_cpu
-    from openk3.train.metrics import MetricsLog, losses_by_step, plot_losses, truncate_after
+    from openk3.train.config import resume_changes
+    from openk3.train.metrics import MetricsLog, losses_by_step, plot_losses
     from openk3.train.optim import build_optimizer
     from openk3.train.schedule import LRSchedule
-    from openk3.train.state import clean_leftovers, find_latest, load_latest, load_weights_into, save_checkpoint
-    from openk3.train.trainer import Trainer, with_tokenizer_ids
+    from openk3.train.state import find_latest, save_checkpoint
+    from openk3.train.trainer import (
+        Trainer,
+        open_run_folder,
+        record_config,
+        resume_trainer,
+        with_tokenizer_ids,
+    )
 
     device = resolve_device(cfg.device)
     cfg, base = resolve_paths(cfg)
@@ -280,20 +265,10 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     out.mkdir(parents=True, exist_ok=True)
     threads = setup_cpu(cfg.threads)
 
-    for name in clean_leftovers(out):
-        _say(f"removed {name} (left by an interrupted checkpoint)")
-    if not resume and (latest := find_latest(out)) is not None:
-        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
-    ckpt = saved = saved_weights = None
-    if resume and (found := load_latest(out)) is not None:
-        ckpt, saved, saved_weights, problems = found
-        for problem in problems:
-            _warn(f"skipping a damaged checkpoint: {problem}")
-        if problems:
-            _warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
+    ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
     changes: list[str] = []
     if saved is not None:
-        free, refused = resume_changes(saved["config"], cfg.to_dict())
+        free, refused = resume_changes(saved["config"], cfg.to_dict(), SFT_RESUME_FREE)
         if refused and not allow_config_change:
             raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
                              f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nto resume the "
@@ -318,7 +293,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     if saved is not None:
         loader.load_state_dict(saved["loader"])  # other data are refused here, before the config is rewritten
     max_steps = cfg.max_steps if cfg.max_steps is not None else loader.steps_for_epochs(cfg.epochs)
-    record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
+    record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes, name="sft_config")
 
     seed_everything(cfg.seed)
     model = openk3.load(base, dtype=torch.float32, device=device)
@@ -338,17 +313,8 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
          + ("" if cfg.max_steps is not None else f" ({cfg.epochs} epochs)"))
 
     metrics_path = out / "metrics.jsonl"
-    resumed_from = None
-    if ckpt is not None:
-        load_weights_into(model, ckpt, saved_weights)
-        saved_weights = None
-        trainer.load_state_dict(saved)
-        resumed_from = trainer.step
-        dropped = truncate_after(str(metrics_path), trainer.step)
-        _say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after "
-                                                                  "it" if dropped else ""))
-    elif metrics_path.exists():
-        metrics_path.unlink()
+    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, _say)
+    saved_weights = None
 
     def emit(kind: str, info: dict) -> None:
         if on_event is not None:

@@ -193,12 +193,14 @@ def _plain(v: Any) -> Any:
     return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
-def resume_changes(old: dict, new: dict) -> tuple[list[str], list[str]]:
+def resume_changes(old: dict, new: dict, free_keys=None) -> tuple[list[str], list[str]]:
     """(free, refused): "key: old -> new" lines for the differences between the config a checkpoint
-    was trained with (`old`, a `to_dict()`) and `new`; refused ones change the run's maths."""
+    was trained with (`old`, a `to_dict()`) and `new`; refused ones change the run's maths. `free_keys`:
+    the keys that may always change (default RESUME_FREE, pretraining's; SFT passes its own)."""
+    free_keys = RESUME_FREE if free_keys is None else free_keys
     free, refused = [], []
     for key, a, b in config_diff(old, new):
-        (free if key in RESUME_FREE else refused).append(f"{key}: {a!r} -> {b!r}")
+        (free if key in free_keys else refused).append(f"{key}: {a!r} -> {b!r}")
     return free, refused
 
 

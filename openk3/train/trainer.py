@@ -272,16 +272,49 @@ def with_tokenizer_ids(model_cfg, tok):
     return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
 
 
-def record_config(out: Path, cfg: TrainConfig, *, step: int | None, changes: list[str]) -> None:
-    """Write the config in force to `out/train_config.json`. When a resume changed it, the config it
-    replaces is appended first to `out/train_config_history.jsonl` (one JSON line: the step the change
-    takes effect after, the changes, the previous config), so no earlier config is ever lost."""
-    path = out / "train_config.json"
+def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None]):
+    """(checkpoint folder, trainer state, weights) of the newest intact checkpoint in `out` to resume, or
+    Nones. Torn saves are removed first; resume=False refuses a folder that has checkpoints."""
+    for name in clean_leftovers(out):
+        say(f"removed {name} (left by an interrupted checkpoint)")
+    if not resume and (latest := find_latest(out)) is not None:
+        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
+    if not resume or (found := load_latest(out)) is None:
+        return None, None, None
+    ckpt, saved, saved_weights, problems = found
+    for problem in problems:
+        warn(f"skipping a damaged checkpoint: {problem}")
+    if problems:
+        warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
+    return ckpt, saved, saved_weights
+
+
+def resume_trainer(trainer: Trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
+                   say: Callable[[str], None]) -> int | None:
+    """Load the checkpoint into the trainer's model and state and drop metrics logged after it (returns the
+    step resumed from); a fresh run (no checkpoint) starts a new metrics file."""
+    if ckpt is None:
+        if metrics_path.exists():
+            metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
+        return None
+    load_weights_into(trainer.model, ckpt, saved_weights)
+    trainer.load_state_dict(saved)
+    dropped = truncate_after(str(metrics_path), trainer.step)
+    say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after it"
+                                                          if dropped else ""))
+    return trainer.step
+
+
+def record_config(out: Path, cfg, *, step: int | None, changes: list[str], name: str = "train_config") -> None:
+    """Write the config in force to `out/<name>.json` (`openk3 sft` uses name="sft_config"). When a resume
+    changed it, the config it replaces is appended first to `out/<name>_history.jsonl` (one JSON line: the
+    step the change takes effect after, the changes, the previous config), so no earlier config is ever lost."""
+    path = out / f"{name}.json"
     if changes and path.is_file():
         from openk3.fsutil import read_json
 
         entry = {"step": step, "time": time.time(), "changes": changes, "previous": read_json(path)}
-        with open(out / "train_config_history.jsonl", "a") as fh:
+        with open(out / f"{name}_history.jsonl", "a") as fh:
             fh.write(json.dumps(entry) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -339,17 +372,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
     out.mkdir(parents=True, exist_ok=True)
     threads = setup_cpu(cfg.threads)
 
-    for name in clean_leftovers(out):
-        _say(f"removed {name} (left by an interrupted checkpoint)")
-    if not resume and (latest := find_latest(out)) is not None:
-        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
-    ckpt = saved = saved_weights = None
-    if resume and (found := load_latest(out)) is not None:
-        ckpt, saved, saved_weights, problems = found
-        for problem in problems:
-            _warn(f"skipping a damaged checkpoint: {problem}")
-        if problems:
-            _warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
+    ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
 
     # Disk space first, from the configs alone: a full disk is then an error before the tokenizer is
     # trained and the data cached, not an ENOSPC in the middle of either or at the first checkpoint.
@@ -402,17 +425,8 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
          f"(train), {threads} thread(s), {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
     metrics_path = out / "metrics.jsonl"
-    resumed_from = None
-    if ckpt is not None:
-        load_weights_into(model, ckpt, saved_weights)
-        saved_weights = None  # copied into `model`: do not hold a second copy through training
-        trainer.load_state_dict(saved)
-        resumed_from = trainer.step
-        dropped = truncate_after(str(metrics_path), trainer.step)
-        _say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after "
-                                                                  "it" if dropped else ""))
-    elif metrics_path.exists():
-        metrics_path.unlink()  # a fresh run: no stale records from an earlier attempt without a checkpoint
+    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, _say)
+    saved_weights = None  # copied into `model`: do not hold a second copy through training
 
     def emit(kind: str, info: dict) -> None:
         if on_event is not None:
