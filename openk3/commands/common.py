@@ -15,6 +15,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, help="a config.json (kimi_k3 wrapper or bare kimi_linear)")
 
 
+def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) -> None:
+    """The flags `openk3 rl` and `openk3 distill` share (d: the run config's defaults): problem split, seed,
+    checkpoint interval, the engine's batch and context, threads."""
+    from openk3.posttrain.records import SPLITS
+
+    p.add_argument("--split", choices=SPLITS, default=d.split, help=f"problems' split (default {d.split})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"{seed_help} (default {d.seed})")
+    p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"trajectories the engine decodes together (default {d.max_num_seqs})")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit per trajectory (default: the model's max_position_embeddings)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
+
+
 def parse_dtype(value: str):
     """`--dtype` through `openk3.common.resolve_dtype` (its table is the one list of spellings): a torch
     dtype, or None for "auto". A spelling it does not know is an argparse error naming the value."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 
+from openk3.commands.common import add_rollout_run_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from openk3.posttrain.mopd import MOPDConfig
-    from openk3.posttrain.records import SPLITS
 
     d = MOPDConfig()
     p.add_argument("--student", required=True, help="starting checkpoint or run folder (the SFT model); its "
@@ -49,15 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-cap", type=int, default=None,
                    help="safety cap on think tokens per trajectory (default: the context limit; no budgets in MOPD)")
     p.add_argument("--max-turns", type=int, default=d.max_turns, help=f"agent/coding turns (default {d.max_turns})")
-    p.add_argument("--split", choices=SPLITS, default=d.split, help=f"problems' split (default {d.split})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"cells, problems and sampling (default {d.seed})")
-    p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help=f"trajectories the engine decodes together (default {d.max_num_seqs})")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit per trajectory (default: the model's max_position_embeddings)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
+    add_rollout_run_arguments(p, d, seed_help="cells, problems and sampling")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 
 from openk3.chat import THINKING_EFFORTS
+from openk3.commands.common import add_rollout_run_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from openk3.posttrain import losses
-    from openk3.posttrain.records import DOMAINS, SPLITS
+    from openk3.posttrain.records import DOMAINS
     from openk3.posttrain.rl import LOSSES, RLConfig
 
     d = RLConfig()
@@ -55,15 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anneal-fraction", type=float, default=d.anneal_fraction,
                    help=f"share of the steps the annealing takes (default {d.anneal_fraction})")
     p.add_argument("--b-floor", type=int, default=d.b_floor, help=f"smallest think budget (default {d.b_floor})")
-    p.add_argument("--split", choices=SPLITS, default=d.split, help=f"problems' split (default {d.split})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"problems and sampling (default {d.seed})")
-    p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help=f"trajectories the engine decodes together (default {d.max_num_seqs})")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit per trajectory (default: the model's max_position_embeddings)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
+    add_rollout_run_arguments(p, d, seed_help="problems and sampling")
 
 
 def main(args: argparse.Namespace) -> int:
