@@ -15,6 +15,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--config", default=None, help="a config.json (kimi_k3 wrapper or bare kimi_linear)")
 
 
+def add_resume_arguments(p: argparse.ArgumentParser, *, history_file: str, maths: str = "") -> None:
+    """--resume / --no-resume / --allow-config-change / --no-progress of a resumable run folder (`openk3 train`,
+    `openk3 sft`); `maths` lists examples of the settings that change the run's maths."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", dest="resume", action="store_true", default=True,
+                   help="continue from OUT's latest checkpoint if there is one (default)")
+    g.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="refuse to start if OUT already holds checkpoints")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help=f"resume even though settings that change the run's maths {maths}differ from the "
+                        f"checkpoint's; the change is recorded in OUT/{history_file}")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
+
+
 def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) -> None:
     """The flags `openk3 rl` and `openk3 distill` share (d: the run config's defaults): problem split, seed,
     checkpoint interval, the engine's batch and context, threads."""

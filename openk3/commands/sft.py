@@ -16,6 +16,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+from openk3.commands.common import add_resume_arguments
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="BASE",
@@ -39,15 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
     p.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="fp32 (default) or bf16 (autocast)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", dest="resume", action="store_true", default=True,
-                   help="continue from OUT's latest checkpoint if there is one (default)")
-    g.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="refuse to start if OUT already holds checkpoints")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even though settings that change the run's maths differ from the checkpoint's; "
-                        "the change is recorded in OUT/sft_config_history.jsonl")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    add_resume_arguments(p, history_file="sft_config_history.jsonl")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="SFT config overrides, e.g. overflow=truncate optim.weight_decay=0")
 

@@ -19,6 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
+from openk3.commands.common import add_resume_arguments
 from openk3.config import PRESETS
 
 SMALL_MODEL_LR = {"nano": 3e-3, "small": 2e-3}
@@ -41,16 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")
     p.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default=None, help="fp32/float32 (default) or bf16/bfloat16 (autocast)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--resume", dest="resume", action="store_true", default=True,
-                   help="continue from OUT's latest checkpoint if there is one (default)")
-    g.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="refuse to start if OUT already holds checkpoints")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even though settings that change the run's maths (optim.*, model.*, data.*, "
-                        "batch_size, seq_len, seed, ...) differ from the checkpoint's; the change is recorded "
-                        "in OUT/train_config_history.jsonl (docs/training.md)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars on stderr")
+    add_resume_arguments(p, history_file="train_config_history.jsonl (docs/training.md)",
+                         maths="(optim.*, model.*, data.*, batch_size, seq_len, seed, ...) ")
     # key=value overrides may sit anywhere among the flags: `openk3.__main__.parse_args` collects the later ones
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-3")
 
