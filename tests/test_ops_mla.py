@@ -118,3 +118,45 @@ def test_single_query_without_mask_sees_every_key():
     kw = dict(v_head_dim=DV, scale=(DN + DR) ** -0.5)
     ref = mla_attention_naive(q, ckv, kpe, w, mask_BTS=attention_mask(1, 8), **kw)
     assert_close("T=1 mask None", ref, mla_attention_absorbed(q, ckv, kpe, w, mask_BTS=None, **kw), 1e-12)
+
+
+@pytest.mark.parametrize("rows", [
+    [(4, 1, 7, 3)],                 # one row, a one-token document inside
+    [(15,), (2, 13)],               # a row of one document beside one of two
+    [(1, 1, 1, 12), (5, 5, 5)],     # one-token documents at the start
+])
+@pytest.mark.parametrize("min_mean", [1, 32])
+def test_per_document_attention_equals_the_masked_form(rows, min_mean, monkeypatch):
+    """The packed-row fast path (one causal attention per document; min_mean 1 takes it for every row here,
+    32 sends these short rows to the mask) against the T x T block-diagonal mask, outputs and gradients in
+    float64; and a row whose ids go down takes the masked form."""
+    from openk3.ops import mla as mla_module
+    from openk3.ops.mla import document_runs, mla_attention_documents
+
+    monkeypatch.setattr(mla_module, "MIN_MEAN_DOCUMENT", min_mean)
+    calls = []
+    naive = mla_module.mla_attention_naive
+    monkeypatch.setattr(mla_module, "mla_attention_naive",
+                        lambda *a, **k: calls.append(a[0].shape[1]) or naive(*a, **k))
+
+    T = sum(rows[0])
+    seg = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])
+    q, ckv, kpe, w = _inputs(len(rows), T, T, seed=5)
+    ref = mla_attention_naive(q, ckv, kpe, w, v_head_dim=DV, scale=0.3,
+                              mask_BTS=attention_mask(T, T, doc_q_BT=seg, doc_k_BS=seg))
+    got = mla_attention_documents(q, ckv, kpe, w, seg_BT=seg, v_head_dim=DV, scale=0.3)
+    assert calls == ([n for r in rows for n in r] if min_mean == 1 else [T] * len(rows))  # the path taken
+    assert_close("out", ref, got, 1e-12)
+    grad = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), grad)
+    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), grad)
+    for name, a, b in zip("q ckv kpe w".split(), g_got, g_ref, strict=True):
+        assert_close(f"d{name}", b, a, 1e-12)
+    assert document_runs(torch.tensor([0, 0, 1, 1, 1, 2])) == [(0, 2), (2, 5), (5, 6)]
+    down = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2][:T]])
+    if T == 15:
+        assert document_runs(down[0]) is None
+        q1, ckv1, kpe1, w1 = (t.detach()[:1] if t.dim() > 2 else t.detach() for t in (q, ckv, kpe, w))
+        masked = mla_attention_naive(q1, ckv1, kpe1, w1, v_head_dim=DV, scale=0.3,
+                                     mask_BTS=attention_mask(T, T, doc_q_BT=down, doc_k_BS=down))
+        assert torch.equal(mla_attention_documents(q1, ckv1, kpe1, w1, seg_BT=down, v_head_dim=DV, scale=0.3), masked)

@@ -1,6 +1,6 @@
 """`openk3 posttrain` (issue 18 item 7): the whole pipeline, SFT data -> SFT -> teachers -> MOPD -> merge -> eval.
 
-The `tiny` profile (a 4-layer cut of nano, the byte tokenizer, one or two steps per stage, n = 16 per cell)
+The `tiny` profile (a 4-layer cut of nano, its own BPE tokenizer, one or two steps per stage, n = 16 per cell)
 runs end to end for the general domain and gives a report.json that follows the issue's contract for the
 cells it ran, with checkpoints that `openk3.load` opens; a run stopped after a stage continues with the next
 one on a rerun (done stages are skipped, their outputs untouched); bad arguments name the flag. One thread.
@@ -86,6 +86,10 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert chain["general/max"]["budget_from_effort"] is None
     for cell, start, budget_from in (("general/high", "general-max", "max"), ("general/low", "general-high", "high")):
         assert f"teachers/{start}/" in chain[cell]["model"] and chain[cell]["budget_from_effort"] == budget_from
+    # the run's tokenizer was trained on its domains and sized the model (posttrain/vocab.py)
+    base = state["stages"]["base"]["settings"]
+    assert base["tokenizer"].startswith("bpe-") and 1024 < base["vocab_size"] <= 2048
+    assert openk3.load(out / "base").config.vocab_size == base["vocab_size"]
     # SFT saw all three verbosities, longest at max
     think = state["stages"]["data"]["settings"]["think_tokens_mean"]
     assert think["general/low"] < think["general/high"] < think["general/max"]

@@ -28,6 +28,7 @@ import torch
 
 from openk3.infer.detok import TextStream
 from openk3.infer.graph import DecodeGraph
+from openk3.infer.prefix import PrefixCache
 from openk3.infer.sample import SamplingParams, make_generator, sample_next, token_logprobs
 from openk3.model.cache import DenseCache, SlotCache
 
@@ -62,8 +63,10 @@ class RequestOutput:
 
 class _Request:
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int],
-                 stream: TextStream | None, on_output, device) -> None:
+                 stream: TextStream | None, on_output, device, cache_prefix: int | None = None,
+                 keep_cache: bool = False) -> None:
         self.id, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
+        self.cache_prefix, self.keep_cache = cache_prefix, keep_cache
         self.stream, self.on_output = stream, on_output
         self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
         self.out: list[int] = []
@@ -92,12 +95,19 @@ class Engine:
         compile: run decode steps through a compiled `DecodeGraph` (`openk3/infer/graph.py`): much less
             per-token overhead, at the price of a one-time compile (~40-90 s per graph on one CPU core) at
             the first step.
+        prefix_cache: keep up to this many prefix snapshots (`openk3/infer/prefix.py`; 0 = off): a request
+            starts from the longest stored prefix of its prompt. Snapshots are taken where a request says
+            (`cache_prefix`, `keep_cache`), so requests that say nothing cost nothing extra.
+        prefix_cache_bytes: the snapshots' total size limit.
     """
 
     def __init__(self, model, tokenizer=None, *, max_num_seqs: int = 16, max_model_len: int | None = None,
-                 prefill_chunk: int = 512, compile: bool = False) -> None:
+                 prefill_chunk: int = 512, compile: bool = False, prefix_cache: int = 0,
+                 prefix_cache_bytes: int = 1 << 30) -> None:
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
+        if prefix_cache < 0:
+            raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {prefix_cache}")
         self.model = model.eval()
         self.tok = tokenizer
         self.cfg = model.config
@@ -113,7 +123,9 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self.default_stop_ids = frozenset(tokenizer.stop_ids) if tokenizer is not None else frozenset()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
+                      "cached_prompt_tokens": 0}
+        self.prefix = PrefixCache(prefix_cache, prefix_cache_bytes) if prefix_cache else None
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -135,16 +147,24 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                     stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
-                    skip_special_tokens: bool = True) -> str:
+                    skip_special_tokens: bool = True, cache_prefix: int | None = None,
+                    keep_cache: bool = False) -> str:
         """Queue a request; returns its id. `on_output` is called with every new `RequestOutput`.
 
         stop_token_ids: extra ids that end generation; the tokenizer's stop ids (`<|end_of_msg|>`,
         `[EOS]`) apply unless `ignore_eos`.
+        cache_prefix: the first `cache_prefix` prompt tokens are shared with other requests: snapshot the
+            state after them (1 <= cache_prefix < prompt length). keep_cache: when this request finishes
+            (a stop or a length limit), snapshot its state, so that a next turn that extends the sequence
+            prefills only what is new. Both need `Engine(prefix_cache=N)` and are ignored without it.
         """
         params = params or SamplingParams()
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
+        if cache_prefix is not None and not 1 <= cache_prefix < len(ids):
+            raise ValueError(f"cache_prefix must be in 1..{len(ids) - 1} (the prompt has {len(ids)} tokens), "
+                             f"got {cache_prefix}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -152,7 +172,8 @@ class Engine:
         if params.stop and self.tok is None:
             raise ValueError("stop strings need a tokenizer")
         stream = TextStream(self.tok, params.stop, skip_special=skip_special_tokens) if self.tok else None
-        req = _Request(rid, ids, params, stops, stream, on_output, self.device)
+        req = _Request(rid, ids, params, stops, stream, on_output, self.device,
+                       cache_prefix if self.prefix is not None else None, keep_cache and self.prefix is not None)
         self._by_id[rid] = req
         self.waiting.append(req)
         return rid
@@ -180,13 +201,17 @@ class Engine:
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.cache is None:
-                req.cache = self.model.new_cache()
+                self._start_prefill(req)
             n = min(budget, len(req.prompt) - req.prefilled)
+            if req.cache_prefix is not None and req.prefilled < req.cache_prefix:
+                n = min(n, req.cache_prefix - req.prefilled)  # stop at the shared prefix to snapshot it
             chunk = torch.tensor([req.prompt[req.prefilled:req.prefilled + n]], device=self.device)
             logits = self.model(chunk, cache=req.cache, mla_impl="naive", last_only=True)
             req.prefilled += n
             budget -= n
             self.stats["prompt_tokens"] += n
+            if req.prefilled == req.cache_prefix:
+                self.prefix.put(req.prompt[:req.prefilled], req.cache)
             if req.prefilled < len(req.prompt):
                 break  # the rest of this prompt goes in the next steps
             self.waiting.popleft()
@@ -211,6 +236,15 @@ class Engine:
                 self._accept(req, tok, lp, outputs)
         self._release_finished()
         return outputs
+
+    def _start_prefill(self, req: _Request) -> None:
+        """A fresh cache, or a copy of the longest stored prefix of the prompt (then only the rest is prefilled)."""
+        hit = self.prefix.lookup(req.prompt) if self.prefix is not None else None
+        if hit is None:
+            req.cache = self.model.new_cache()
+            return
+        req.prefilled, req.cache = hit
+        self.stats["cached_prompt_tokens"] += req.prefilled
 
     def _sample(self, reqs: list[_Request], logits_nV: torch.Tensor) -> list[int]:
         logits_nV = logits_nV.float()
@@ -299,6 +333,11 @@ class Engine:
             req = self.running[i]
             if req.finish_reason is None:
                 continue
+            if req.keep_cache and req.finish_reason in ("stop", "length"):
+                # the slot holds every token fed: the prompt and all but the last generated one
+                snap = self.slots.extract(req.slot)
+                assert snap.seq_len == len(req.prompt) + len(req.out) - 1, "slot length out of step with the ids"
+                self.prefix.put(req.prompt + req.out[:-1], snap, copy=False)
             last = self.running.pop()
             if last is not req:
                 self.slots.move(last.slot, req.slot)

@@ -155,7 +155,8 @@ class LLM:
 
     def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
-                 prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False) -> None:
+                 prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False,
+                 prefix_cache: int = 0) -> None:
         dtype = resolve_dtype(dtype)
         device = resolve_device(device) if device is not None else None
         self.path: Path | None = None
@@ -189,7 +190,7 @@ class LLM:
         self.model = model
         self.tokenizer = tokenizer
         self.engine = Engine(model, tokenizer, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             prefill_chunk=prefill_chunk, compile=compile)
+                             prefill_chunk=prefill_chunk, compile=compile, prefix_cache=prefix_cache)
 
     @property
     def config(self):

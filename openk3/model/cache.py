@@ -231,6 +231,18 @@ class SlotCache:
         self.lengths[slot] = length
         self.host_lengths[slot] = length
 
+    def extract(self, slot: int) -> DenseCache:
+        """A batch-1 `DenseCache` copy of `slot`'s state (the inverse of `install`; prefix snapshots)."""
+        length = self.host_lengths[slot]
+        layers: list[KDAState | MLAState | None] = []
+        for i, st in enumerate(self.kda):
+            if st is not None:
+                layers.append(KDAState(*(t[slot:slot + 1].clone() for t in st.tensors())))
+            else:
+                layers.append(MLAState(self.ckv[i][slot:slot + 1, :length].clone(),
+                                       self.kpe[i][slot:slot + 1, :length].clone()))
+        return DenseCache(num_layers=len(self.kda), seq_len=length, layers=layers)
+
     def move(self, src: int, dst: int) -> None:
         """Copy slot `src` into slot `dst` (compaction after a sequence leaves)."""
         if src == dst:

@@ -62,13 +62,20 @@ class GatedMLA(nn.Module):
             ckv_BSC, kpe_BSR, mask = state.extend(ckv_BTC, kpe_BTR)
         elif seg_BT is not None:
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
-            mask = mla_ops.attention_mask(T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
+            mask = None if impl == "naive" else mla_ops.attention_mask(T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT,
+                                                                      device=x_BTD.device)
         else:
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
             mask = None if T == 1 else mla_ops.attention_mask(T, T, device=x_BTD.device)
-        attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
-        o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
-                      mask_BTS=mask)
+        if seg_BT is not None and state is None and impl == "naive":
+            # packed rows: one causal attention per document (exact: the masked form's other-document keys
+            # get probability 0), at the cost of the squared document lengths instead of T^2
+            o_BTHV = mla_ops.mla_attention_documents(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, seg_BT=seg_BT,
+                                                     v_head_dim=self.dv, scale=self.scale)
+        else:
+            attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
+            o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
+                          mask_BTS=mask)
         o_BTP = o_BTHV.reshape(B, T, H * self.dv)
         if hasattr(self, "g_proj"):
             # Sigmoid output gate from the same normed input; no norm on the MLA output (spec §10.9).

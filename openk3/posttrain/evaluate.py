@@ -221,31 +221,63 @@ def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | 
         raise ValueError("eval: budget forcing is implemented for the single-turn general domain only, got cells "
                          f"{[f'{d}/{e}' for d, e in cells if d != 'general']}")
     budget = budget or BudgetConfig()
-    out: dict = {}
-    for domain, effort in cells:
-        source = ProblemSource(domain, prompt_effort or effort, tokenizer, split=split, seed=seed, budget=budget,
-                               max_turns=max_turns, sandbox_options=sandbox_options)
-        records: list[dict] = []
-        for chunk, problems in draw_chunks(source, n_per_cell, batch_problems):
-            budgets = {p.id: budget.budget(p.meta["reference_think_tokens"], effort) for p in problems}
+    sources = {cell: ProblemSource(cell[0], prompt_effort or cell[1], tokenizer, split=split, seed=seed,
+                                   budget=budget, max_turns=max_turns, sandbox_options=sandbox_options)
+               for cell in cells}
+    records: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
+    # Problems of several cells share one rollout (one continuous batch) up to batch_problems at a time: a
+    # cell alone (16 problems) leaves most of a 32-slot engine idle while its slowest episode finishes.
+    for k, round_ in enumerate(eval_rounds(cells, n_per_cell, batch_problems)):
+        problems, owner = [], []
+        try:
+            for cell, chunk, n in round_:
+                drawn = sources[cell].draw(chunk, n, total_steps=1)
+                if prompt_effort is not None:  # every cell draws the prompt effort's problems: ids would repeat
+                    drawn = [dataclasses.replace(p, id=f"{p.id}@{cell[1]}") for p in drawn]
+                problems += drawn
+                owner += [cell] * len(drawn)
+            budgets = {p.id: budget.budget(p.meta["reference_think_tokens"], cell[1])
+                       for p, cell in zip(problems, owner, strict=True)}
             roll = RolloutConfig(group_size=samples, temperature=temperature or _GREEDY_TEMPERATURE,
-                                 response_cap=response_cap, seed=seed * 100_003 + chunk)
-            try:
-                if budget_forcing:
-                    chunk_records = budget_forced_rollout(engine, problems, budgets, tokenizer, roll)
-                else:  # the rollout's think stop moves from the budget (RL's rule) up to the compute cap
-                    chunk_records = rollout(engine, [dataclasses.replace(p, budget=cap) for p in problems],
-                                            tokenizer, roll)
-            finally:
-                source.release(problems)
-            for r in chunk_records:
-                r["budget_think_tokens"], r["think_cap"] = budgets[r["problem_id"]], cap
-                r["effort"] = effort  # the cell's (the prompt's may differ: prompt_effort)
-            records += chunk_records
+                                 response_cap=response_cap, seed=seed * 100_003 + k, logprobs=False)
+            if budget_forcing:
+                round_records = budget_forced_rollout(engine, problems, budgets, tokenizer, roll)
+            else:  # the rollout's think stop moves from the budget (RL's rule) up to the compute cap
+                round_records = rollout(engine, [dataclasses.replace(p, budget=cap) for p in problems], tokenizer,
+                                        roll)
+        finally:
+            for p in problems:
+                if p.env is not None:
+                    p.env.close()
+        cell_of = {p.id: cell for p, cell in zip(problems, owner, strict=True)}
+        assert len(cell_of) == len(problems), "two problems of one round share an id"
+        for r in round_records:
+            r["budget_think_tokens"], r["think_cap"] = budgets[r["problem_id"]], cap
+            r["effort"] = cell_of[r["problem_id"]][1]  # the cell's (the prompt's may differ: prompt_effort)
+            records[cell_of[r["problem_id"]]].append(r)
+    out: dict = {}
+    for cell in cells:
         if on_records is not None:
-            on_records(domain, effort, records)
-        out.setdefault(domain, {})[effort] = cell_metrics(records)
+            on_records(*cell, records[cell])
+        out.setdefault(cell[0], {})[cell[1]] = cell_metrics(records[cell])
     return out
+
+
+def eval_rounds(cells: list[tuple[str, str]], n_per_cell: int, batch_problems: int) -> list[list[tuple]]:
+    """The rollouts of an evaluation: lists of (cell, chunk, n) with at most batch_problems problems each.
+    Every cell is cut into chunks of at most batch_problems (chunk k is its source's step k, so a cell draws
+    the same problems however it is grouped); chunks fill rounds in cell order."""
+    rounds: list[list[tuple]] = [[]]
+    room = batch_problems
+    for cell in cells:
+        for chunk, start in enumerate(range(0, n_per_cell, batch_problems)):
+            n = min(batch_problems, n_per_cell - start)
+            if n > room:
+                rounds.append([])
+                room = batch_problems
+            rounds[-1].append((cell, chunk, n))
+            room -= n
+    return rounds
 
 
 def evaluate(model_dir: str | os.PathLike, cells: Iterable[tuple[str, str]] | str | None = None,
@@ -255,9 +287,12 @@ def evaluate(model_dir: str | os.PathLike, cells: Iterable[tuple[str, str]] | st
     """`evaluate_engine` on the checkpoint (or run folder) `model_dir`, with its own tokenizer."""
     from openk3.infer.llm import LLM
 
-    llm = LLM(model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device)
+    llm = LLM(model_dir, max_num_seqs=max_num_seqs, max_model_len=max_model_len, device=device,
+              prefix_cache=2 * max_num_seqs + 8)
     if llm.tokenizer is None:
         raise ValueError(f"{model_dir}: eval renders prompts with the model's own tokenizer, and it has none")
+    # a round fills the engine: its problems' trajectories are decoded together (one round per 64 by default)
+    options.setdefault("batch_problems", max(1, max_num_seqs // samples))
     return evaluate_engine(llm.engine, llm.tokenizer, cells, n_per_cell, split, seed, temperature, samples,
                            **options)
 

@@ -416,8 +416,8 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     truncate_after(str(metrics_path), start)
     (out / "rollouts").mkdir(exist_ok=True)
     sources = _sources(cfg, tok, sandbox_options)
-    engine = Engine(model, None, max_num_seqs=min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size),
-                    max_model_len=cfg.max_model_len)
+    slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
+    engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
     # A think count never reaches the context limit, so with no think_cap the sampler's budget stop never fires.
     think_cap = cfg.think_cap or engine.max_model_len
     roll_cfg = dict(group_size=cfg.group_size, response_cap=cfg.response_cap, over_budget_reward=THINK_CAP_REWARD)

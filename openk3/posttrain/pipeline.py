@@ -4,8 +4,9 @@
 
 Stages, each in its own sub-folder of the output folder DIR, in this order:
 
-    base                   base/                the starting checkpoint: the preset (cut to the profile's layers),
-                                                randomly initialised, with the byte-level tokenizer; or --base
+    base                   base/                the starting checkpoint: the run's BPE tokenizer trained on its
+                                                domains (vocab.py) and the preset (cut to the profile's layers)
+                                                with that vocabulary, randomly initialised; or --base
     data                   data/sft_train.jsonl reference records of every domain x effort (`general.sft_dataset`,
                                                 `agentic.agentic_dataset`): SFT sees all three verbosities
     sft                    sft/                 `posttrain.sft.sft` on those records
@@ -56,6 +57,7 @@ class Profile:
 
     name: str
     layers: int | None  # cut of the preset to this many layers (None: the preset as it is)
+    vocab_size: int | None  # the run's BPE tokenizer trained on its domains (vocab.py); None: byte-level
     general_problems: int  # SFT problems per effort of the general domain (x3 records each)
     agentic_problems: int  # SFT problems per family and effort of agent / coding
     levels: tuple[int, ...] | None  # general levels in SFT (None: 1-3)
@@ -63,7 +65,7 @@ class Profile:
     sft_epochs: int
     sft_batch: int
     sft_seq_len: int  # rows of general-only SFT
-    agentic_seq_len: int  # rows when agent / coding records (2.5-7k byte tokens: tools are declared) are in
+    agentic_seq_len: int  # rows when agent / coding records (0.9-2.8k BPE tokens: tools are declared) are in
     sft_lr: float
     sft_overflow: str  # "drop" keeps only whole traces; "truncate" (tiny) keeps every record's start
     rl_steps: int
@@ -88,7 +90,7 @@ class Profile:
 
 PROFILES = {
     # tests: seconds per stage; general prompts are 360-510 byte tokens, so 600 leaves ~100 generated ones
-    "tiny": Profile(name="tiny", layers=4,
+    "tiny": Profile(name="tiny", vocab_size=2048, layers=4,
                     general_problems=2, agentic_problems=1, levels=(1,),
                     sft_steps=2, sft_epochs=1, sft_batch=2, sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
                     sft_overflow="truncate",
@@ -97,22 +99,23 @@ PROFILES = {
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
                     response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
                     merge_method="ties", merge_density=0.5),
-    # one CPU core, under 12 minutes for general (10m44s measured on a shared core). SFT carries most of it:
-    # the effort ordering comes from the three verbosities of the SFT traces. RL and MOPD take a few steps, so
-    # the curves exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its
-    # traces, and where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34
-    # think tokens sampled, 80 < 87 < 158 greedy)
-    "smoke": Profile(name="smoke", layers=None,
-                     general_problems=48, agentic_problems=4, levels=(1,),
-                     sft_steps=None, sft_epochs=6, sft_batch=2, sft_seq_len=1024, agentic_seq_len=8192, sft_lr=1e-3,
-                     sft_overflow="drop",
+    # one CPU core, under 12 minutes for all three domains (9m55s measured; docs/posttraining.md). SFT and eval
+    # carry most of it: the effort ordering comes from the three verbosities of the SFT traces. nano is cut to
+    # 4 layers: at 9 the same minutes of SFT learn nothing usable. RL and MOPD take a few steps, so the curves
+    # exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its traces, and
+    # where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34 think tokens
+    # sampled, 80 < 87 < 158 greedy)
+    "smoke": Profile(name="smoke", vocab_size=2048, layers=4,
+                     general_problems=48, agentic_problems=3, levels=(1,),
+                     sft_steps=None, sft_epochs=5, sft_batch=1, sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
+                     sft_overflow="truncate",
                      rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
-                     mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=448,
-                     eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=448,
-                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=8192,
+                     mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
+                     eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
+                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
                      merge_method="ties", merge_density=0.5),
     # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down
-    "full": Profile(name="full", layers=None,
+    "full": Profile(name="full", vocab_size=2048, layers=None,
                     general_problems=600, agentic_problems=40, levels=None,
                     sft_steps=None, sft_epochs=2, sft_batch=8, sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
                     sft_overflow="drop",
@@ -277,15 +280,24 @@ class Pipeline:
 
             # the trainer's override re-derives the KDA/MLA layout and AttnRes blocks for the new depth
             cfg = apply_overrides(TrainConfig(model=cfg), [f"model.num_hidden_layers={self.profile.layers}"]).model
-        tok = byte_tokenizer()
-        if tok.vocab_size > cfg.vocab_size:
-            raise ValueError(f"--preset {self.preset}: vocabulary {cfg.vocab_size} is smaller than the byte-level "
-                             f"tokenizer's {tok.vocab_size} ids; give a pretrained --base with its tokenizer")
+        if self.profile.vocab_size is None:
+            tok, kind = byte_tokenizer(), "byte-level"
+            if tok.vocab_size > cfg.vocab_size:
+                raise ValueError(f"--preset {self.preset}: vocabulary {cfg.vocab_size} is smaller than the "
+                                 f"byte-level tokenizer's {tok.vocab_size} ids; give a pretrained --base with its "
+                                 "tokenizer")
+        else:
+            from openk3.posttrain.vocab import train_posttrain_tokenizer
+            from openk3.train.trainer import with_tokenizer_ids
+
+            # the model's vocabulary and special ids become the tokenizer's (vocab.py says why)
+            tok = train_posttrain_tokenizer(self.domains, self.profile.vocab_size, self.seed)
+            cfg, kind = with_tokenizer_ids(cfg, tok), f"bpe-{tok.vocab_size} (posttrain/vocab.py)"
         model = openk3.K3ForCausalLM.build(cfg, seed=self.seed).eval()
         folder = self.out / "base"
         openk3.save(model, folder, dtype=torch.float32)
         tok.save(str(folder))
-        return {"layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size, "tokenizer": "byte-level",
+        return {"layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size, "tokenizer": kind,
                 "init_seed": self.seed}
 
     def context(self, domains: tuple[str, ...]) -> int | None:
@@ -393,7 +405,7 @@ class Pipeline:
         argv = ["--models", *models, "--out", str(self.out / "eval"), "--cells", ",".join(self.domains),
                 "--n", str(p.eval_n), "--samples", str(p.eval_samples), "--temperature", str(p.eval_temperature),
                 "--seed", str(self.seed),
-                "--response-cap", str(p.response_cap), "--max-turns", str(p.max_turns),
+                "--response-cap", str(p.response_cap), "--max-turns", str(p.max_turns), "--max-num-seqs", "64",
                 "--teacher-metrics", *(f"{c}={path}/metrics.jsonl" for c, path in self.teachers().items()),
                 "--mopd-metrics", str(self.out / "student" / "metrics.jsonl")]
         if p.eval_think_cap is not None:

@@ -274,8 +274,8 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
                            budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
                            sandbox_options=sandbox_options)
-    engine = Engine(model, None, max_num_seqs=min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size),
-                    max_model_len=cfg.max_model_len)
+    slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
+    engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
     roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)
     bias_before = router_biases(model)
     last: dict = {}

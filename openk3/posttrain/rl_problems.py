@@ -27,6 +27,28 @@ from openk3.posttrain.records import DOMAINS, SPLITS, render_request
 from openk3.posttrain.rollout import Problem
 
 DIFFICULTIES = (1, 2, 3)
+#: L(x) of agent / coding problems, (task id, tokenizer fingerprint) -> think tokens of the expert's max episode:
+#: one sandboxed episode per problem, the same for every model evaluated in a process (eval of 12 models
+#: would otherwise replay each problem's expert 12 times: ~0.3 s per problem)
+_REFERENCE: dict[tuple[str, str], int] = {}
+
+
+def tokenizer_fingerprint(tok) -> str:
+    """A short hash of the token table (ids of every byte string and special name); cached on the object."""
+    key = getattr(tok, "_openk3_fingerprint", None)
+    if key is None:
+        import hashlib
+
+        h = hashlib.sha256()
+        for table in (tok.ranks, tok.special_ids):
+            for piece, i in sorted(table.items(), key=lambda kv: kv[1]):
+                h.update(repr((piece, i)).encode())
+        key = h.hexdigest()[:16]
+        try:
+            tok._openk3_fingerprint = key
+        except AttributeError:  # a tokenizer that refuses attributes is hashed each time
+            pass
+    return key
 
 
 def _general_score(verifier: dict):
@@ -55,7 +77,6 @@ class ProblemSource:
         self.domain, self.effort, self.tok, self.split, self.seed = domain, effort, tokenizer, split, seed
         self.budget, self.budget_from = budget or BudgetConfig(), budget_from
         self.max_turns, self.sandbox_options = max_turns, dict(sandbox_options or {})
-        self._reference: dict[str, int] = {}  # task id -> L(x) (an expert episode per agentic problem)
 
     def budget_at(self, reference: int, step: int, total_steps: int) -> int:
         b_to = self.budget.budget(reference, self.effort)
@@ -110,11 +131,12 @@ class ProblemSource:
         families = FAMILIES[self.domain]
         task = generate(families[k % len(families)], seed, DIFFICULTIES[k // len(families) % len(DIFFICULTIES)],
                         self.split)
-        if task.id not in self._reference:
+        key = (task.id, tokenizer_fingerprint(self.tok))
+        if key not in _REFERENCE:
             expert = act(task, "max", tokenizer=self.tok)
-            self._reference[task.id] = think_tokens({"messages": expert["messages"], "tools": expert["tools"],
-                                                     "effort": "max"}, self.tok)
-        reference = self._reference[task.id]
+            _REFERENCE[key] = think_tokens({"messages": expert["messages"], "tools": expert["tools"],
+                                            "effort": "max"}, self.tok)
+        reference = _REFERENCE[key]
         env = SandboxEnv(task, self.tok, effort=self.effort, max_steps=self.max_turns,
                          sandbox_options=self.sandbox_options)
         try:

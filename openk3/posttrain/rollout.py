@@ -22,7 +22,8 @@ exactly what was sampled. Per trajectory (background §3.3):
 
 A rollout record (background §4.2): the problem's `meta` (id, domain, effort, family, ...) plus
 `token_ids` (prompt + generated + env, the full sequence), `gen_mask` (1 = sampled by the policy),
-`behaviour_logprobs` (one per sampled token, i.e. per 1 in gen_mask, in order), `prompt_len`,
+`behaviour_logprobs` (one per sampled token, i.e. per 1 in gen_mask, in order; empty with
+`RolloutConfig(logprobs=False)`), `prompt_len`,
 `think_tokens`, `budget_think_tokens`, `turns`, `stopped_reason` (eos | budget | response_cap | context,
 or the env's end: submit | stop | max_steps | max_tool_seconds | sandbox_error), `reward` and
 `reward_components` (`task`, `budget`, `format`, `invalid_calls`).
@@ -44,6 +45,8 @@ from openk3.posttrain.budget import OVER_BUDGET_REWARD, budget_reward, should_st
 #: The per-turn cap on tokens after the think channel closes (response and tool calls): generous (an
 #: answer needs far fewer), so hitting it means the model is padding or looping (background §3.3).
 RESPONSE_CAP = 256
+#: Shared prompt heads shorter than this are not worth a snapshot (a copy of the state costs about as much).
+MIN_SHARED_PREFIX = 16
 #: What the reward is when a trajectory breaks the format (response cap, context limit, env truncation).
 FORMAT_FAILURE_REWARD = 0.0
 
@@ -79,6 +82,9 @@ class RolloutConfig:
     seed: int = 0  # turn t of sample k of problem i draws with the seed sample_seed(seed, i, k, t)
     extra_stop_ids: tuple[int, ...] = ()  # ids that end a turn besides the tokenizer's stop ids
     over_budget_reward: float = OVER_BUDGET_REWARD
+    # behaviour log-probs per sampled token (RL's importance correction needs them); eval turns them off:
+    # away from temperature 1 each costs a pass over the whole vocabulary in Python
+    logprobs: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
@@ -132,9 +138,13 @@ class Sampler:
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(cfg.extra_stop_ids)
         # The engine reports raw (temperature-1) log-probs; at another temperature the whole distribution
         # is needed to renormalise p^(1/T), which is costly at a real vocabulary (an ablation only).
-        self.full_dist = cfg.temperature != 1.0
+        self.full_dist = cfg.logprobs and cfg.temperature != 1.0
         self.live: dict[str, _Episode] = {}
         self.aborted = False
+        # with the engine's prefix cache: shared prompt heads are prefilled once and a next turn continues
+        # from the state its previous turn left (infer/prefix.py); `shared` is set per run
+        self.snapshots = getattr(engine, "prefix", None) is not None
+        self.shared: dict[int, int] = {}  # id(episode) -> prompt tokens it shares with another episode
 
     # ---- per turn ------------------------------------------------------------------------------------
 
@@ -145,10 +155,16 @@ class Sampler:
         max_tokens = (max(left, 0) + 1 if ep.in_think else 0) + self.cfg.response_cap + 1
         params = SamplingParams(temperature=self.cfg.temperature, top_p=1.0, max_tokens=max_tokens,
                                 seed=sample_seed(self.cfg.seed, ep.index, ep.sample, ep.turns),
-                                logprobs=self.engine.cfg.vocab_size if self.full_dist else 0)
+                                logprobs=(self.engine.cfg.vocab_size if self.full_dist else 0) if self.cfg.logprobs
+                                else None)
         rid = f"{ep.key}/t{ep.turns}"
+        hints = {}
+        if self.snapshots:
+            shared = min(self.shared.get(id(ep), 0), len(ep.ids) - 1) if ep.turns == 0 else 0
+            hints = {"cache_prefix": shared if shared >= MIN_SHARED_PREFIX else None, "keep_cache": ep.env is not None}
         try:
-            self.engine.add_request(ep.ids, params, request_id=rid, stop_token_ids=self.stop_ids, ignore_eos=True)
+            self.engine.add_request(ep.ids, params, request_id=rid, stop_token_ids=self.stop_ids, ignore_eos=True,
+                                    **hints)
         except ValueError:
             if len(ep.ids) < self.engine.max_model_len:
                 raise
@@ -158,16 +174,23 @@ class Sampler:
 
     def _accept(self, ep: _Episode, tok: int, entry) -> None:
         """One sampled token: record it, then apply the stop rules in order (stop id, think budget, cap)."""
+        ep.turn.append(tok)
+        ep.ids.append(tok)
+        ep.gen_mask.append(1)
+        if entry is not None:
+            ep.logprobs.append(self._logprob(entry))
+        self._stop_rules(ep, tok)
+
+    def _logprob(self, entry) -> float:
         logprob, top = entry
         if self.full_dist:  # log p_T(y) = raw_y / T - logsumexp(raw / T); raw = log-softmax of the logits
             t = self.cfg.temperature
             lse = max(v for _, v in top) / t
             lse += math.log(sum(math.exp(v / t - lse) for _, v in top))
             logprob = logprob / t - lse
-        ep.turn.append(tok)
-        ep.ids.append(tok)
-        ep.gen_mask.append(1)
-        ep.logprobs.append(float(logprob))
+        return float(logprob)
+
+    def _stop_rules(self, ep: _Episode, tok: int) -> None:
         if tok in self.stop_ids:
             ep.turn_end = "eos"
         elif ep.in_think:
@@ -201,6 +224,9 @@ class Sampler:
     # ---- the loop ------------------------------------------------------------------------------------
 
     def run(self, episodes: list[_Episode]) -> None:
+        if self.snapshots:
+            self.shared = {id(ep): n for ep, n in zip(episodes, shared_prefixes([ep.ids for ep in episodes]),
+                                                      strict=True)}
         for ep in episodes:
             self._start_turn(ep)
         while self.live:
@@ -209,7 +235,8 @@ class Sampler:
                 ep = self.live.get(out.request_id)
                 if ep is None:
                     continue
-                for tok, entry in zip(out.delta_token_ids, out.delta_logprobs or [], strict=True):
+                entries = out.delta_logprobs if self.cfg.logprobs else [None] * len(out.delta_token_ids)
+                for tok, entry in zip(out.delta_token_ids, entries or [], strict=True):
                     self._accept(ep, tok, entry)
                     if ep.turn_end is not None:
                         break  # a token sampled in the same step after the stop is dropped
@@ -224,6 +251,18 @@ class Sampler:
                     self._end_turn(ep)
             if not outputs and not self.engine.has_unfinished() and self.live:
                 raise AssertionError(f"engine idle with episodes still live: {sorted(self.live)}")
+
+
+def shared_prefixes(seqs: Sequence[Sequence[int]]) -> list[int]:
+    """For each sequence, the length of the longest prefix it shares with any other one (0 when alone).
+    The longest is always with a neighbour in sorted order, so this is n log n comparisons."""
+    order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
+    out = [0] * len(seqs)
+    for a, b in zip(order, order[1:], strict=False):
+        x, y = seqs[a], seqs[b]
+        n = next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+        out[a], out[b] = max(out[a], n), max(out[b], n)
+    return out
 
 
 def parse_turn(ids: Sequence[int], tokenizer, thinking: bool = True) -> dict:
@@ -268,12 +307,16 @@ def rollout(engine, problems: Sequence[Problem], tokenizer, cfg: RolloutConfig, 
 
     Returns the records in problem order, the samples of a problem contiguous (as the group losses
     expect). `engine` is an `openk3.infer.engine.Engine` over the policy being trained (sharing its
-    modules, so an optimizer step is what the next rollout samples from).
+    modules, so an optimizer step is what the next rollout samples from). With the engine's prefix cache
+    (`Engine(prefix_cache=N)`) the problems' shared prompt heads and every finished env turn are snapshot,
+    so each token is prefilled about once; the snapshots live for this call only.
     """
     for p in problems:
         if (p.env is None) == (p.score is None):
             raise ValueError(f"problem {p.id!r}: give exactly one of score (single-turn) and env (multi-turn)")
     sampler = Sampler(engine, tokenizer, cfg)
+    if sampler.snapshots:
+        engine.prefix.clear()  # states of an earlier call may come from weights the trainer has changed since
     episodes: list[_Episode] = []
     forks: list = []
     try:
@@ -301,3 +344,5 @@ def rollout(engine, problems: Sequence[Problem], tokenizer, cfg: RolloutConfig, 
             engine.step()  # aborts apply at a step's start: leave the engine empty for the next caller
         for env in forks:
             env.close()
+        if sampler.snapshots:
+            engine.prefix.clear()

@@ -101,13 +101,14 @@ def hf_ranks(hf) -> dict[bytes, int]:
 
 
 def train_bpe(texts: str | Iterable[str], vocab_size: int, out_dir: str | None = None, *, min_frequency: int = 2,
-              progress: Callable[[str], None] | None = None) -> Tokenizer:
+              progress: Callable[[str], None] | None = None, allow_fewer: bool = False) -> Tokenizer:
     """Train a byte-level BPE of `vocab_size` ids in all (ranks + K3's 256-id special block).
 
     texts: a string, or an iterable of document strings (consumed once). out_dir: if given, the
     tokenizer is saved there (`tiktoken.model` + `tokenizer_config.json`). Raises ValueError if
     `vocab_size` leaves fewer than 256 ranks or the corpus is too small to learn the requested number
-    of tokens with `min_frequency`.
+    of tokens with `min_frequency` (with `allow_fewer`, the tokenizer then has the ranks the corpus
+    supports, and a smaller vocabulary).
     """
     n_ranks = vocab_size - NUM_RESERVED
     if n_ranks < 256:
@@ -118,7 +119,7 @@ def train_bpe(texts: str | Iterable[str], vocab_size: int, out_dir: str | None =
     say(f"training byte-level BPE: {n_ranks} ranks + {NUM_RESERVED} special ids = vocab {vocab_size}")
     hf = train_hf_bpe(texts, n_ranks, min_frequency)
     ranks = hf_ranks(hf)
-    if len(ranks) < n_ranks:
+    if len(ranks) < n_ranks and not allow_fewer:
         raise ValueError(f"the corpus only supports {len(ranks)} ranks at min_frequency={min_frequency} "
                          f"(asked for {n_ranks}); give more text or a smaller vocab_size")
     say(f"trained {len(ranks)} ranks in {time.perf_counter() - t0:.1f} s")
