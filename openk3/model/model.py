@@ -68,6 +68,28 @@ class DecoderLayer(nn.Module):
         query = _query(getattr(self, f"{site}_res_norm"), getattr(self, f"{site}_res_proj"))
         return attn_res_mix(cands, query, self.eps)
 
+    def forward(self, x_BTD: torch.Tensor, seg_BT: torch.Tensor | None = None, state=None, mla_impl: str = "naive",
+                moe_impl: str = "auto", blocks: list[torch.Tensor] | None = None):
+        """One layer, whole (a module call, so wrappers such as FSDP2 see it) -> (x', blocks', state').
+
+        Without AttnRes (`blocks` None) x is the residual stream. With Block AttnRes (spec §3, §4.3) x is
+        the running sum of sub-layer outputs in the current block (`prefix`) and `blocks` the snapshots of
+        the earlier ones; a snapshot layer starts a new block. There is no ordinary residual stream then.
+        """
+        if blocks is None:
+            a_BTD, state = self.attn(self.input_layernorm(x_BTD), seg_BT, state, mla_impl)
+            h_BTD = x_BTD + a_BTD
+            return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD), moe_impl), None, state
+        prefix: torch.Tensor | None = x_BTD
+        h_BTD = self.mix("self_attention", blocks + [prefix]) if blocks else prefix
+        if self.is_snapshot:
+            blocks = blocks + [prefix]
+            prefix = None
+        a_BTD, state = self.attn(self.input_layernorm(h_BTD), seg_BT, state, mla_impl)
+        prefix = a_BTD if prefix is None else prefix + a_BTD
+        m_BTD = self.mix("mlp", blocks + [prefix])
+        return prefix + self.ffn(self.post_attention_layernorm(m_BTD), moe_impl), blocks, state
+
 
 class K3Model(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
@@ -93,23 +115,13 @@ class K3Model(nn.Module):
         if not self.config.use_attn_res:
             h_BTD = x_BTD
             for i, layer in enumerate(self.layers):
-                a_BTD, states[i] = layer.attn(layer.input_layernorm(h_BTD), seg_BT, states[i], mla_impl)
-                h_BTD = h_BTD + a_BTD
-                h_BTD = h_BTD + layer.ffn(layer.post_attention_layernorm(h_BTD), moe_impl)
+                h_BTD, _, states[i] = layer(h_BTD, seg_BT, states[i], mla_impl, moe_impl)
         else:
             # Block AttnRes (spec §3, §4.3): `prefix` is the running sum of sub-layer outputs in the
             # current block, `blocks` the snapshots; there is no ordinary residual stream.
-            prefix: torch.Tensor | None = x_BTD
-            blocks: list[torch.Tensor] = []
+            prefix, blocks = x_BTD, []
             for i, layer in enumerate(self.layers):
-                h_BTD = layer.mix("self_attention", blocks + [prefix]) if blocks else prefix
-                if layer.is_snapshot:
-                    blocks.append(prefix)
-                    prefix = None
-                a_BTD, states[i] = layer.attn(layer.input_layernorm(h_BTD), seg_BT, states[i], mla_impl)
-                prefix = a_BTD if prefix is None else prefix + a_BTD
-                m_BTD = layer.mix("mlp", blocks + [prefix])
-                prefix = prefix + layer.ffn(layer.post_attention_layernorm(m_BTD), moe_impl)
+                prefix, blocks, states[i] = layer(prefix, seg_BT, states[i], mla_impl, moe_impl, blocks=blocks)
             h_BTD = attn_res_mix(blocks + [prefix], _query(self.output_attn_res_norm, self.output_attn_res_proj),
                                  self.config.rms_norm_eps)
         if cache is not None:

@@ -168,17 +168,23 @@ class RoutingRecorder:
 
 
 @torch.no_grad()
-def apply_quantile_balancing(model: nn.Module, recorder: RoutingRecorder, rate: float = 1.0) -> dict[str, dict]:
+def apply_quantile_balancing(model: nn.Module, recorder: RoutingRecorder, rate: float = 1.0,
+                             gather=None) -> dict[str, dict]:
     """One QB step for every MoE layer of `model` from what `recorder` collected, then `recorder.clear()`.
 
     Returns per-layer `load_stats` of the recorded routing (the loads *before* this update), keyed
-    by module name, for logging. Layers with nothing recorded are skipped.
+    by module name, for logging. Layers with nothing recorded are skipped. `gather` (data parallelism:
+    `Mesh.all_gather_rows`) concatenates every rank's scores in rank order, so each rank computes the
+    update of the global batch, exactly the single-process one (background B.6's exact mode; the scores
+    are N x E floats per layer, small at the sizes this runs).
     """
     stats = {}
     for n, m in model.named_modules():
         if not isinstance(m, SparseMoE) or not recorder.records.get(n):
             continue
         scores_NE, idx_NK = recorder.routing(n)
+        if gather is not None:
+            scores_NE, idx_NK = gather(scores_NE), gather(idx_NK)
         bias = m.gate.e_score_correction_bias
         stats[n] = load_stats(idx_NK, bias.shape[0])
         bias.copy_(quantile_balance_update(scores_NE, bias, m.top_k, rate))

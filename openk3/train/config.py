@@ -4,7 +4,8 @@
     cfg = apply_overrides(cfg, ["optim.lr=1e-3", "model.hidden_size=64", "data.max_bytes=300000"])
     cfg.to_json("run/train_config.json"); TrainConfig.from_json("run/train_config.json")
 
-Sections: `model` (a `K3Config`, usually a preset), `optim` (`OptimConfig`), `data` (`DataConfig`);
+Sections: `model` (a `K3Config`, usually a preset), `optim` (`OptimConfig`), `data` (`DataConfig`),
+`parallel` (`openk3.parallel.mesh.ParallelConfig`: degrees, e.g. `parallel.dp_shard=2` under torchrun);
 the loop's own fields sit at the top level. Overrides are `key=value` strings with dotted keys
 (`model.linear_attn_config.full_attn_layers=[4]`), converted to the declared type of the field:
 int, float, bool (true/false/1/0/yes/no/on/off), str, None (`none`/`null` where the field allows it),
@@ -32,6 +33,7 @@ import torch
 from openk3.config import K3Config, LinearAttnConfig, preset
 from openk3.data import DataConfig
 from openk3.fsutil import read_json, write_atomic
+from openk3.parallel.mesh import ParallelConfig
 from openk3.train.optim import OptimConfig
 
 DTYPES = ("fp32", "bf16")
@@ -45,6 +47,8 @@ RESUME_FREE = frozenset({
     "max_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "samples",
     "sample_tokens", "threads", "device", "activation_checkpointing", "cache_dir", "peak_flops", "preset",
     "model.bos_token_id", "model.eos_token_id", "model.pad_token_id",
+    # the same global batch gives the same steps at any world size, so a run may resume on another one
+    "parallel.dp_shard", "parallel.dp_replicate", "parallel.ep", "parallel.pp", "parallel.cp",
 })
 
 
@@ -53,6 +57,7 @@ class TrainConfig:
     model: K3Config = field(default_factory=lambda: preset("nano"))
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # degrees; torchrun gives the processes
     preset: str | None = "nano"  # name the model section came from (informational)
     # loop
     batch_size: int = 8
@@ -159,7 +164,7 @@ class TrainConfig:
         for k, v in d.items():
             if k == "model":
                 kwargs[k] = K3Config.from_dict(v, source=f"{source}: model")
-            elif k in ("optim", "data"):
+            elif k in ("optim", "data", "parallel"):
                 kwargs[k] = _dataclass_from_dict(hints[k], v, f"{source}: {k}")
             else:
                 kwargs[k] = _coerce_json(hints[k], v, f"{source}: {k}")
@@ -220,7 +225,7 @@ def _fields_of(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-_SECTIONS = {"model": K3Config, "optim": OptimConfig, "data": DataConfig}
+_SECTIONS = {"model": K3Config, "optim": OptimConfig, "data": DataConfig, "parallel": ParallelConfig}
 _NESTED = {(K3Config, "linear_attn_config"): LinearAttnConfig}
 
 

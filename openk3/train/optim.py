@@ -224,7 +224,12 @@ class Muon(torch.optim.Optimizer):
     """Muon on matrices (and stacks of matrices), per-block orthogonalisation from group metadata.
 
     Group keys: lr, weight_decay (decoupled: p <- p * (1 - lr * wd)), momentum, nesterov, ns_steps,
-    ns_dtype, heads, axis. State: `momentum_buffer` (fp32) per parameter.
+    ns_dtype, heads, axis. State: `momentum_buffer` (fp32) per parameter, in the parameter's own layout.
+
+    Sharded parameters (FSDP2 DTensors, `openk3.parallel`): the momentum stays sharded (elementwise), the
+    direction is all-gathered, every rank orthogonalises the whole matrix (the same deterministic result on
+    each) and keeps its own rows: Moonlight's gather-everywhere, the background's v1 (B.5), exactly the
+    single-process update.
     """
 
     def __init__(self, params, *, lr: float = 2e-4, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -249,9 +254,11 @@ class Muon(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
                 u = momentum_direction(p.grad, state["momentum_buffer"], momentum=group["momentum"],
                                        nesterov=group["nesterov"])
+                if hasattr(u, "full_tensor"):  # a DTensor shard: orthogonalise the whole matrix
+                    u = u.full_tensor()
                 blocks = to_blocks(u, heads, axis)
                 buckets.setdefault((tuple(blocks.shape[-2:]), p.device), []).append((p, blocks))
             for ((r, c), device), items in buckets.items():
@@ -260,6 +267,10 @@ class Muon(torch.optim.Optimizer):
                 o = newton_schulz(flat, group["ns_steps"], dtype=ns_dtype).float() * rms_scale(r, c)
                 for (p, blocks), o_p in zip(items, o.split([b[..., 0, 0].numel() for _, b in items])):
                     upd = from_blocks(o_p.reshape(blocks.shape), heads, axis).reshape(p.shape)
+                    if hasattr(p, "device_mesh"):  # keep this rank's part (no communication)
+                        from torch.distributed.tensor import distribute_tensor
+
+                        upd = distribute_tensor(upd, p.device_mesh, p.placements, src_data_rank=None)
                     if group["weight_decay"]:
                         p.mul_(1 - group["lr"] * group["weight_decay"])
                     p.add_(upd.to(p.dtype), alpha=-group["lr"])

@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from openk3.parallel.fsdp import full_tensor
+from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
 from openk3.train.config import TrainConfig, resume_changes
 from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses, truncate_after
@@ -105,10 +107,17 @@ class Trainer:
     """One optimizer step at a time over `batches` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, batches, optimizers: OptimizerSet, schedule: LRSchedule, cfg: TrainConfig,
-                 *, device: torch.device | str = "cpu", threads: int = 1) -> None:
+                 *, device: torch.device | str = "cpu", threads: int = 1, mesh: Mesh | None = None) -> None:
         from openk3.model.accounting import flops_per_token
 
         self.model, self.batches, self.opt, self.schedule, self.cfg = model, batches, optimizers, schedule, cfg
+        # data parallelism (openk3.parallel): each rank trains on its rows of every global batch
+        self.mesh = mesh or null_mesh()
+        if self.mesh.dp_size > 1:
+            for on, what in ((cfg.aux_loss_coef > 0, "aux_loss_coef > 0"), (cfg.qk_clip, "qk_clip")):
+                if on:
+                    raise ValueError(f"{what} with data parallelism is not implemented yet (issue 19); run it in "
+                                     "one process or turn it off")
         self.device = torch.device(device)
         self.step = 0
         self.tokens = 0
@@ -124,14 +133,18 @@ class Trainer:
     def train_step(self, batch: dict) -> dict:
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
-        ids = batch["input_ids"].to(self.device)
-        labels = batch["labels"].to(self.device)
-        seg = batch["seg"].to(self.device) if batch.get("seg") is not None else None
+        rows = self.mesh.batch_rows(batch["input_ids"].shape[0])
+        ids = batch["input_ids"][rows].to(self.device)
+        labels = batch["labels"][rows].to(self.device)
+        seg = batch["seg"][rows].to(self.device) if batch.get("seg") is not None else None
         lr = self.opt.cfg.lr * self.schedule.multiplier
         self.recorder.clear()
         with autocast_context(cfg.dtype, self.device):
             logits = model(ids, seg_BT=seg)
             loss_sum, count = cross_entropy_sum(logits, labels)
+            # the global count of loss tokens: each rank's loss is its share of the global mean, so the
+            # summed gradients (FSDP reduces a sum) are the single-process gradients of the whole batch
+            count = self.mesh.all_reduce_sum(count.detach().clone())
             loss = loss_sum / count.clamp_min(1)
             total = loss
             aux = None
@@ -139,15 +152,17 @@ class Trainer:
                 aux = self.recorder.aux_loss()
                 total = loss + cfg.aux_loss_coef * aux
         recorded = {n: len(r) for n, r in self.recorder.records.items()}
-        total.backward()
+        # FSDP averages the ranks' gradients; the shares of the global mean must add up, so undo the division
+        (total * self.mesh.dp_size if self.mesh.dp_size > 1 else total).backward()
         for n, k in recorded.items():  # activation checkpointing re-ran the MoE forwards: drop the repeats
             del self.recorder.records[n][k:]
             del self.recorder.inputs[n][k:]
-        grad_norm = self.opt.clip_grad_norm_()
+        grad_norm = full_tensor(self.opt.clip_grad_norm_())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if cfg.qb_rate > 0:
-            stats = apply_quantile_balancing(model, self.recorder, cfg.qb_rate)
+            gather = self.mesh.all_gather_rows if self.mesh.distributed else None
+            stats = apply_quantile_balancing(model, self.recorder, cfg.qb_rate, gather=gather)
         else:
             stats = {}
             for n, m in self.recorder.layers.items():
@@ -163,13 +178,14 @@ class Trainer:
         self.schedule.step()
         dt = time.perf_counter() - t0
         self.step += 1
-        n_tok = ids.numel()
+        n_tok = ids.numel() * self.mesh.dp_size  # the global batch
         self.tokens += n_tok
         self.elapsed += dt
         tps = n_tok / dt if dt > 0 else float("nan")
-        rec = {"kind": "train", "step": self.step, "loss": loss.item(), "lr": lr,
+        loss_value = self.mesh.all_reduce_sum(loss.detach().clone()).item()  # the shares add to the global mean
+        rec = {"kind": "train", "step": self.step, "loss": loss_value, "lr": lr,
                "grad_norm": float(grad_norm), "tokens": self.tokens, "tokens_per_s": tps,
-               "mfu": mfu(tps, self.flops_per_token, self.peak),
+               "mfu": mfu(tps, self.flops_per_token, self.peak * self.mesh.world_size),
                "load_max_over_mean": max((s["max_over_mean"] for s in stats.values()), default=None),
                "step_time": dt, "elapsed": self.elapsed}
         if aux is not None:

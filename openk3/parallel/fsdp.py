@@ -1,0 +1,43 @@
+"""FSDP2 over the data-sharding ranks, applied from outside the single-device model (background B.2).
+
+    apply_fsdp(model, mesh)        # fully_shard per decoder layer, then the root (embeddings, final norm,
+                                   # the output AttnRes site, lm_head); params become DTensors Shard(0)
+
+Each decoder layer is one FSDP unit (its parameters are all-gathered for its forward and backward and freed
+after; `DecoderLayer.forward` is the whole layer, so the hooks see it), the root holds the rest. The trainer
+normalises the loss by the global count of loss tokens (local loss sum / all-reduced count), so the *sum* of
+the ranks' gradients is the single-process gradient of the concatenated global batch, padding and packing
+included. FSDP2 averages over the data ranks (a custom divide factor of 1 needs PREMUL_SUM, which gloo
+lacks), so the trainer runs backward on that loss times the number of data ranks. Parameters stay in their
+training dtype (fp32: K3's fp32 islands need nothing special); bf16 compute comes from the trainer's
+autocast, as on one device. With parallel.dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP (sharded
+within a group, replicated across groups).
+
+Buffers (the router's correction bias, which Quantile Balancing updates) are not sharded: every rank holds
+them whole and applies the same update from the global batch's statistics (`train.balance`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from openk3.parallel.mesh import Mesh
+
+
+def apply_fsdp(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard `model` (a `K3ForCausalLM`) in place over `mesh`'s data ranks; a no-op on the null mesh."""
+    if not mesh.distributed:
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    device_mesh = mesh.fsdp_mesh()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard_after_forward)
+    # the root last: it owns what no layer does; it is gathered for the whole step anyway
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
+    return model
+
+
+def full_tensor(t):
+    """A DTensor's whole value (a collective: every rank must call it); a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,0 +1,76 @@
+"""One data-parallel training run for tests/test_parallel.py, in this process or under torchrun.
+
+    python tests/parallel_worker.py OUT.pt [steps]                                      # one process
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT]
+
+LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2) or "replicate" (parallel.dp_replicate = world size:
+HSDP with shard groups of one).
+
+nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
+packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
+writes {"losses", "grad_norms", "params" (full tensors), "biases" (QB), "world"} to OUT.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from openk3.common import setup_cpu
+from openk3.config import preset
+from openk3.model.model import K3ForCausalLM
+from openk3.parallel.fsdp import apply_fsdp, full_tensor
+from openk3.parallel.mesh import ParallelConfig, init_mesh, world_from_env
+from openk3.train.config import TrainConfig
+from openk3.train.optim import build_optimizer
+from openk3.train.schedule import LRSchedule
+from openk3.train.trainer import Trainer
+
+B, T = 4, 24
+
+
+def batches(steps: int, vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (B, T), generator=g)
+        labels = torch.roll(ids, -1, dims=1)
+        seg = torch.zeros(B, T, dtype=torch.long)
+        for b in range(B):  # 1-3 documents per row, and rows with few loss tokens
+            for cut in sorted(torch.randint(1, T, (b % 3,), generator=g).tolist()):
+                seg[b, cut:] += 1
+            labels[b, T - 1 - 6 * b:] = -100
+        out.append({"input_ids": ids, "labels": labels, "seg": seg})
+    return out
+
+
+def run(out_path: str, steps: int = 3, layout: str = "shard") -> None:
+    setup_cpu(1)
+    world, _, _ = world_from_env()
+    degrees = {"dp_shard": world} if layout == "shard" else {"dp_replicate": world}
+    cfg = TrainConfig(model=preset("nano"), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
+                      parallel=ParallelConfig(**degrees))
+    mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)
+    model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
+    apply_fsdp(model, mesh)
+    opt = build_optimizer(model, cfg.optim)
+    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
+                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
+    trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
+    losses, norms = [], []
+    for batch in batches(steps, cfg.model.vocab_size):
+        rec = trainer.train_step(batch)
+        losses.append(rec["loss"])
+        norms.append(rec["grad_norm"])
+    params = {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
+    biases = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    trainer.close()
+    if mesh.is_main:
+        torch.save({"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world},
+                   out_path)
+    mesh.close()
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "shard")
