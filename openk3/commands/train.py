@@ -95,6 +95,12 @@ def build_config(args: argparse.Namespace):
         changes["dtype"] = args.dtype
     if args.data is not None:
         changes["data"] = dataclasses.replace(cfg.data, source=args.data)
+    if not any(o.split("=", 1)[0].strip().startswith("parallel.") for o in args.overrides):
+        # The degrees describe this launch, not the run: by default every process torchrun started shards the
+        # model (FSDP2), so a run resumes on any world size and `torchrun -m openk3 train` needs no override.
+        from openk3.parallel.mesh import ParallelConfig, world_from_env
+
+        changes["parallel"] = ParallelConfig(dp_shard=world_from_env()[0])
     cfg = dataclasses.replace(cfg, **changes)
     return apply_overrides(cfg, args.overrides)
 

@@ -28,14 +28,46 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = Tr
     """Shard `model` (a `K3ForCausalLM`) in place over `mesh`'s data ranks; a no-op on the null mesh."""
     if not mesh.distributed:
         return model
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
 
+    # A Block AttnRes layer hands the earlier blocks' snapshots on unchanged; FSDP2 returns those as views of
+    # themselves (its backward hooks), then warns that a later in-place op on such a view would skip a hook.
+    # Layers never modify their inputs or outputs in place (the equivalence tests would see it), so the warning
+    # is noise here, once per layer and step.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
+                            category=UserWarning)
     device_mesh = mesh.fsdp_mesh()
     for layer in model.model.layers:
         fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard_after_forward)
     # the root last: it owns what no layer does; it is gathered for the whole step anyway
     fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
     return model
+
+
+def gathered_model(model: nn.Module, mesh: Mesh, build) -> nn.Module | None:
+    """A plain copy of a sharded model on rank 0 (None elsewhere; the model itself on the null mesh), for
+    writing the release format. Every rank must call it (each parameter is all-gathered); `build()` makes an
+    empty model of the same config. Rank 0 then holds the model twice while saving."""
+    if not mesh.distributed:
+        return model
+    full = {n: full_tensor(p).detach() for n, p in model.named_parameters()}
+    if not mesh.is_main:
+        return None
+    import torch
+
+    copy = build()
+    with torch.no_grad():
+        for n, p in copy.named_parameters():
+            p.copy_(full[n])
+        buffers = dict(model.named_buffers())
+        for n, b in copy.named_buffers():
+            b.copy_(full_tensor(buffers[n]))
+    for name in ("loaded_format",):  # what save() reads off the model
+        if hasattr(model, name):
+            setattr(copy, name, getattr(model, name))
+    return copy
 
 
 def full_tensor(t):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +139,18 @@ class Mesh:
             import torch.distributed as dist
 
             dist.barrier()
+
+    @contextmanager
+    def main_first(self):
+        """Rank 0 runs the block, then the others do: for find-or-create steps (the run folder's cleanup, the
+        tokenizer, the token cache) that every rank needs but only one may write."""
+        if not self.is_main:
+            self.barrier()
+        try:
+            yield
+        finally:
+            if self.is_main:
+                self.barrier()
 
     def close(self) -> None:
         if self.distributed:

@@ -316,17 +316,42 @@ class OptimizerSet:
             o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"muon": self.muon.state_dict() if self.muon else None,
-                "adamw": self.adamw.state_dict() if self.adamw else None,
+        """The state with whole tensors: a sharded (FSDP2) parameter's state is gathered (a collective, so
+        every rank calls it), so a checkpoint is the same whatever the world size that wrote it."""
+        return {"muon": _gathered(self.muon.state_dict()) if self.muon else None,
+                "adamw": _gathered(self.adamw.state_dict()) if self.adamw else None,
                 "lr_multiplier": self.lr_multiplier}
 
     def load_state_dict(self, sd: dict) -> None:
+        """Load a `state_dict()` (whole tensors); a sharded parameter keeps its own rows of each."""
         for key, opt in (("muon", self.muon), ("adamw", self.adamw)):
             if (opt is None) != (sd[key] is None):
                 raise ValueError(f"state dict {key} does not match this optimizer set")
             if opt is not None:
                 opt.load_state_dict(sd[key])
+                _shard_like_params(opt)
         self.set_lr_multiplier(sd["lr_multiplier"])
+
+
+def _gathered(sd: dict) -> dict:
+    """An optimizer state dict with every DTensor replaced by its whole value (state order is the same on
+    every rank, so the collectives line up)."""
+    state = {k: {n: v.full_tensor() if hasattr(v, "full_tensor") else v for n, v in entry.items()}
+             for k, entry in sd["state"].items()}
+    return {**sd, "state": state}
+
+
+def _shard_like_params(opt: torch.optim.Optimizer) -> None:
+    """After loading whole tensors: each state tensor of a parameter's shape takes that parameter's layout."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not hasattr(p, "device_mesh"):
+                continue
+            from torch.distributed.tensor import distribute_tensor
+
+            for name, v in opt.state.get(p, {}).items():
+                if torch.is_tensor(v) and not hasattr(v, "device_mesh") and tuple(v.shape) == tuple(p.shape):
+                    opt.state[p][name] = distribute_tensor(v, p.device_mesh, p.placements, src_data_rank=None)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> OptimizerSet:

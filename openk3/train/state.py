@@ -248,4 +248,9 @@ def load_weights_into(model, path: str | os.PathLike, loaded=None) -> None:
             raise ValueError(f"{path}: checkpoint has no tensor for {name}")
         if src[name].shape != t.shape:
             raise ValueError(f"{path}: {name} has shape {tuple(src[name].shape)}, the model {tuple(t.shape)}")
-        t.copy_(src[name])
+        if hasattr(t, "device_mesh"):  # a sharded (FSDP2) parameter: this rank's part of the full tensor
+            from torch.distributed.tensor import distribute_tensor
+
+            t.copy_(distribute_tensor(src[name].to(t.dtype), t.device_mesh, t.placements, src_data_rank=None))
+        else:
+            t.copy_(src[name])

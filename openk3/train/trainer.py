@@ -276,6 +276,20 @@ def _warn(msg: str) -> None:
     print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
 
 
+def _quiet(msg: str) -> None:
+    """What ranks other than 0 say: nothing (rank 0 speaks for the run)."""
+
+
+class _NoLog:
+    """The metrics log of ranks other than 0."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def with_tokenizer_ids(model_cfg, tok):
     """`model_cfg` with the vocabulary size and the special ids of `tok` (spec §7.1: eos is the turn
     terminator `<|end_of_msg|>`; bos/pad are the tokenizer's `[BOS]`/`[PAD]`), so the checkpoint's
@@ -306,16 +320,17 @@ def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: C
 
 
 def resume_trainer(trainer: Trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
-                   say: Callable[[str], None]) -> int | None:
+                   say: Callable[[str], None], *, write: bool = True) -> int | None:
     """Load the checkpoint into the trainer's model and state and drop metrics logged after it (returns the
-    step resumed from); a fresh run (no checkpoint) starts a new metrics file."""
+    step resumed from); a fresh run (no checkpoint) starts a new metrics file. write=False (ranks other than
+    0): load only, leave the metrics file alone."""
     if ckpt is None:
-        if metrics_path.exists():
+        if write and metrics_path.exists():
             metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
         return None
     load_weights_into(trainer.model, ckpt, saved_weights)
     trainer.load_state_dict(saved)
-    dropped = truncate_after(str(metrics_path), trainer.step)
+    dropped = truncate_after(str(metrics_path), trainer.step) if write else 0
     say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after it"
                                                           if dropped else ""))
     return trainer.step
@@ -378,35 +393,56 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
     ValueError listing every difference. on_event(kind, info): called after each "step", "eval" and
     "checkpoint" (tests use it to simulate a kill).
     """
-    from openk3.common import resolve_device, seed_everything, setup_cpu
+    from openk3.common import resolve_device
+    from openk3.parallel.mesh import init_mesh
+
+    device = resolve_device(cfg.device)  # a ValueError naming what is missing, before anything is written
+    # under torchrun: the process group and the data ranks (docs/distributed.md); the null mesh otherwise
+    mesh = init_mesh(cfg.parallel, device, batch_size=cfg.batch_size)
+    try:
+        return _train(cfg, Path(out_dir), mesh, device, resume=resume, progress=progress and mesh.is_main,
+                      allow_config_change=allow_config_change, on_event=on_event)
+    finally:
+        mesh.close()
+
+
+def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, progress: bool,
+           allow_config_change: bool, on_event: EventHook | None) -> dict:
+    """`train` in one process of the mesh: rank 0 writes (folder, tokenizer, cache first; then metrics,
+    plots, checkpoints), every rank computes."""
+    from openk3.common import seed_everything, setup_cpu
     from openk3.data.loader import PackedLoader
     from openk3.data.shards import build_dataset
     from openk3.model.model import K3ForCausalLM
+    from openk3.parallel.fsdp import apply_fsdp, gathered_model
 
-    device = resolve_device(cfg.device)  # a ValueError naming what is missing, before anything is written
-    out = Path(out_dir)
+    main = mesh.is_main
+    say, warn = (_say, _warn) if main else (_quiet, _quiet)
     out.mkdir(parents=True, exist_ok=True)
     threads = setup_cpu(cfg.threads)
 
-    ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
+    with mesh.main_first():  # rank 0 removes torn saves; then every rank reads the newest intact checkpoint
+        ckpt, saved, saved_weights = open_run_folder(out, resume, say, warn)
 
     # Disk space first, from the configs alone: a full disk is then an error before the tokenizer is
     # trained and the data cached, not an ENOSPC in the middle of either or at the first checkpoint.
     cache_dir = Path(cfg.cache_dir or out.resolve().parent / ".cache")
-    found_tok = find_tokenizer(cfg, out)
+    found_tok = find_tokenizer(cfg, out) if main else None  # rank 0 may be writing it: the others wait below
     tok = found_tok[0] if found_tok is not None else None
     model_cfg = cfg.model if tok is None else with_tokenizer_ids(cfg.model, tok)  # a new one gets vocab_size ids
     saves = planned_saves(cfg, 0 if saved is None else int(saved["step"]))
     if cfg.keep_checkpoints is not None:  # pruned as it goes; a save is written whole before older ones go
         saves = min(saves, cfg.keep_checkpoints + 1)
-    check_free_space(out, saves, checkpoint_bytes(model_cfg), cache_dir,
-                     cache_bytes(cfg.data, model_cfg.vocab_size, cache_dir, tok))
+    if main:
+        check_free_space(out, saves, checkpoint_bytes(model_cfg), cache_dir,
+                         cache_bytes(cfg.data, model_cfg.vocab_size, cache_dir, tok))
 
-    tok, tok_dir = found_tok or train_tokenizer(cfg, out)
+    with mesh.main_first():  # rank 0 trains a missing tokenizer; the others then find it
+        tok, tok_dir = (found_tok if main else None) or get_tokenizer(cfg, out)
     if tok.vocab_size != cfg.model.vocab_size:
-        _say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
+        say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
     cfg = dataclasses.replace(cfg, model=with_tokenizer_ids(cfg.model, tok))
-    _say(f"tokenizer {tok_dir}: vocab {tok.vocab_size} ({tok.n_ranks} ranks + {len(tok.special_ids)} specials)")
+    say(f"tokenizer {tok_dir}: vocab {tok.vocab_size} ({tok.n_ranks} ranks + {len(tok.special_ids)} specials)")
     changes: list[str] = []
     if saved is not None:
         free, refused = resume_changes(saved["config"], cfg.to_dict())
@@ -418,58 +454,68 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                              "old config is then kept in train_config_history.jsonl")
         changes = refused + free
         if changes:
-            _say(f"config changed since {ckpt.name}: " + "; ".join(changes))
-    record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
+            say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+    if main:
+        record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
 
     seed_everything(cfg.seed)
     np.random.seed(cfg.seed % 2**32)
-    ds = build_dataset(cfg.data, tok, str(cache_dir), progress=progress)
-    _say(f"data {cfg.data.source!r}: train {ds.train.num_tokens:,} tokens "
-         f"({ds.train.bytes_per_token:.2f} bytes/token), "
-         f"val {ds.val.num_tokens:,} tokens; cache {cache_dir}")
-    loader = PackedLoader(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    with mesh.main_first():  # rank 0 builds the token cache; the others then read it
+        ds = build_dataset(cfg.data, tok, str(cache_dir), progress=progress)
+    say(f"data {cfg.data.source!r}: train {ds.train.num_tokens:,} tokens "
+        f"({ds.train.bytes_per_token:.2f} bytes/token), "
+        f"val {ds.val.num_tokens:,} tokens; cache {cache_dir}")
+    loader = PackedLoader(ds.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)  # the global batch, every rank
 
     model = K3ForCausalLM.build(cfg.model, device=device, seed=cfg.seed)
+    n_params = sum(p.numel() for p in model.parameters())
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
+    apply_fsdp(model, mesh)  # sharded before the optimizer is built on its parameters; a no-op in one process
     opt = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
                           min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-    trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads)
-    n_params = sum(p.numel() for p in model.parameters())
-    _say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
-         f"(train), {threads} thread(s), {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
+    trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
+    ranks = f", {mesh.world_size} processes (dp_replicate {cfg.parallel.dp_replicate} x dp_shard " \
+            f"{cfg.parallel.dp_shard})" if mesh.distributed else ""
+    say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
+        f"(train), {threads} thread(s){ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
     metrics_path = out / "metrics.jsonl"
-    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, _say)
+    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say, write=main)
     saved_weights = None  # copied into `model`: do not hold a second copy through training
 
     def emit(kind: str, info: dict) -> None:
-        if on_event is not None:
+        if on_event is not None and main:
             on_event(kind, info)
 
-    log = MetricsLog(str(metrics_path))
+    log = MetricsLog(str(metrics_path)) if main else _NoLog()
     if resumed_from is not None:
         log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
     extra = {name: str(tok_dir / name) for name in ("tiktoken.model", "tokenizer_config.json")
              if (tok_dir / name).is_file()}
 
     def plot() -> None:
-        plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
-                    str(out / "loss.png"))
+        if main:
+            plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
+                        str(out / "loss.png"))
 
-    def save() -> Path:
-        state = trainer.state_dict()
+    def save() -> None:
+        state = trainer.state_dict()  # whole optimizer tensors: every rank takes part in gathering them
         state["config"] = cfg.to_dict()
-        path = save_checkpoint(out, trainer.step, model, state, extra_files=extra, keep=cfg.keep_checkpoints)
-        plot()
-        emit("checkpoint", {"step": trainer.step, "path": str(path)})
-        return path
+        whole = gathered_model(model, mesh, lambda: K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed))
+        if main:
+            path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints)
+            plot()
+            emit("checkpoint", {"step": trainer.step, "path": str(path)})
+        mesh.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
 
     def evaluate() -> dict:
-        rec = trainer.evaluate(ds.val)
+        rec = trainer.evaluate(ds.val)  # every rank evaluates the same batches (the forward is collective)
         log.log(rec)
-        bar.write(f"[train] eval step {rec['step']}: val loss {rec['val_loss']:.4f}, {rec['val_bpb']:.4f} bits/byte")
+        if main:
+            bar.write(f"[train] eval step {rec['step']}: val loss {rec['val_loss']:.4f}, "
+                      f"{rec['val_bpb']:.4f} bits/byte")
         plot()
         emit("eval", rec)
         return rec
@@ -490,7 +536,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                 postfix["mfu"] = f"{rec['mfu']:.1%}"
             bar.set_postfix(postfix, refresh=False)
             bar.update(1)
-            if step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps:
+            if main and (step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps):
                 lb = rec["load_max_over_mean"]
                 bar.write(f"[train] step {step}/{cfg.max_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
                           f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s"
@@ -522,7 +568,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                "resumed_from": resumed_from, "final_loss": train_losses.get(trainer.step),
                "val_loss": final_eval["val_loss"], "val_bpb": final_eval["val_bpb"],
                "checkpoint": str(find_latest(out)), "vocab_size": tok.vocab_size, "samples": []}
-    _say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "
+    say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "
          f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
     if cfg.samples:
         gen = torch.Generator().manual_seed(cfg.seed)
@@ -538,5 +584,5 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
                                banned=banned, stop=stop)
                 text = {"temperature": temp, "prompt": tok.decode(prompt), "completion": tok.decode(new)}
                 summary["samples"].append(text)
-                _say(f"sample (T={temp}): {json.dumps(text['prompt'])} -> {json.dumps(text['completion'])}")
+                say(f"sample (T={temp}): {json.dumps(text['prompt'])} -> {json.dumps(text['completion'])}")
     return summary
