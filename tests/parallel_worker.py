@@ -1,10 +1,10 @@
 """One data-parallel training run for tests/test_parallel.py, in this process or under torchrun.
 
     python tests/parallel_worker.py OUT.pt [steps]                                      # one process
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT] [N]
 
 LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2) or "replicate" (parallel.dp_replicate = world size:
-HSDP with shard groups of one).
+HSDP with shard groups of one). N: micro-batches per step on each rank (grad_accum, default 1).
 
 nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
 packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
@@ -45,13 +45,13 @@ def batches(steps: int, vocab: int) -> list[dict]:
     return out
 
 
-def run(out_path: str, steps: int = 3, layout: str = "shard") -> None:
+def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 1) -> None:
     setup_cpu(1)
     world, _, _ = world_from_env()
     degrees = {"dp_shard": world} if layout == "shard" else {"dp_replicate": world}
     cfg = TrainConfig(model=preset("nano"), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
-                      parallel=ParallelConfig(**degrees))
-    mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)
+                      grad_accum=grad_accum, parallel=ParallelConfig(**degrees))
+    mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
     apply_fsdp(model, mesh)
     opt = build_optimizer(model, cfg.optim)
@@ -73,4 +73,5 @@ def run(out_path: str, steps: int = 3, layout: str = "shard") -> None:
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "shard")
+    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "shard",
+        int(sys.argv[4]) if len(sys.argv) > 4 else 1)

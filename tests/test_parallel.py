@@ -78,14 +78,14 @@ def test_what_data_parallelism_does_not_do_yet_is_refused():
 
 # ---- 2 processes == 1 process -------------------------------------------------------------------------
 
-def _run(out: Path, world: int, layout: str = "shard", steps: int = 3) -> dict:
+def _run(out: Path, world: int, layout: str = "shard", steps: int = 3, accum: int = 1) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
     if world == 1:
-        cmd = [sys.executable, str(WORKER), str(out), str(steps), layout]
+        cmd = [sys.executable, str(WORKER), str(out), str(steps), layout, str(accum)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               str(WORKER), str(out), str(steps), layout]
+               str(WORKER), str(out), str(steps), layout, str(accum)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
@@ -96,14 +96,7 @@ def single(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("w1") / "w1.pt", 1)
 
 
-@pytest.mark.slow  # two torchrun launches of 2 processes (~6 s each on 2 CPUs)
-@pytest.mark.parametrize("layout", ["shard", "replicate"])
-def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout):
-    """FSDP2 (dp_shard=2) and HSDP (dp_replicate=2) on 2 gloo processes, nano in fp32 with Muon + AdamW and
-    Quantile Balancing, rows of uneven loss-token counts: losses, gradient norms, parameters and QB biases
-    equal the single process on the same global batches."""
-    got = _run(tmp_path / "w2.pt", 2, layout)
-    assert got["world"] == 2 and single["world"] == 1
+def assert_same_run(single: dict, got: dict) -> None:
     for a, b in zip(single["losses"], got["losses"], strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (single["losses"], got["losses"])
     for a, b in zip(single["grad_norms"], got["grad_norms"], strict=True):
@@ -116,6 +109,26 @@ def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout)
     assert bias <= 1e-5, bias  # QB's quantile of the gathered scores; the scores differ in the last bits
     # the run moved: the comparison is not of untrained weights
     assert single["losses"][0] != single["losses"][-1]
+
+
+def test_four_micro_batches_equal_one_batch(single, tmp_path):
+    """grad_accum=4 (one row at a time) in one process: the same steps as the whole batch at once (T8)."""
+    assert_same_run(single, _run(tmp_path / "a4.pt", 1, accum=4))
+    with pytest.raises(ValueError, match="must divide into grad_accum=3"):
+        apply_overrides(TrainConfig(), ["batch_size=4", "grad_accum=3"]).validate()
+    with pytest.raises(ValueError, match="x grad_accum=2 micro-batches; choose a multiple of 4"):
+        ParallelConfig(dp_shard=2).check(2, batch_size=6, grad_accum=2)
+
+
+@pytest.mark.slow  # three torchrun launches of 2 processes (~6 s each on 2 CPUs)
+@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("shard", 2)])
+def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout, accum):
+    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2) and FSDP2 with 2 micro-batches per rank on 2 gloo processes,
+    nano in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient
+    norms, parameters and QB biases equal the single process on the same global batches."""
+    got = _run(tmp_path / "w2.pt", 2, layout, accum=accum)
+    assert got["world"] == 2 and single["world"] == 1
+    assert_same_run(single, got)
 
 
 # ---- the launch: torchrun -m openk3 train -------------------------------------------------------------

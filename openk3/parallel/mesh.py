@@ -57,7 +57,7 @@ class ParallelConfig:
         """Data-parallel ranks: each takes its own share of the global batch."""
         return self.dp_replicate * self.dp_shard
 
-    def check(self, world_size: int, batch_size: int | None = None) -> None:
+    def check(self, world_size: int, batch_size: int | None = None, grad_accum: int = 1) -> None:
         """ValueError naming the degree when this layout cannot run on `world_size` processes."""
         for name in NOT_YET:
             if getattr(self, name) > 1:
@@ -73,10 +73,10 @@ class ParallelConfig:
             raise ValueError(f"parallel degrees dp_replicate x dp_shard x pp x cp = {self.dp_replicate} x "
                              f"{self.dp_shard} x {self.pp} x {self.cp} = {self.world_size} processes, but the world "
                              f"size is {world_size}: {what}")
-        if batch_size is not None and batch_size % self.dp:
+        if batch_size is not None and batch_size % (self.dp * grad_accum):
             raise ValueError(f"batch_size {batch_size} is the global batch and must divide among the "
-                             f"{self.dp} data-parallel ranks (dp_replicate x dp_shard); choose a multiple of "
-                             f"{self.dp}")
+                             f"{self.dp} data-parallel ranks (dp_replicate x dp_shard) x grad_accum={grad_accum} "
+                             f"micro-batches; choose a multiple of {self.dp * grad_accum}")
 
 
 class Mesh:
@@ -179,11 +179,12 @@ def world_from_env() -> tuple[int, int, int]:
     return read("WORLD_SIZE", 1), read("RANK", 0), read("LOCAL_RANK", 0)
 
 
-def init_mesh(cfg: ParallelConfig, device: torch.device | str = "cpu", *, batch_size: int | None = None) -> Mesh:
+def init_mesh(cfg: ParallelConfig, device: torch.device | str = "cpu", *, batch_size: int | None = None,
+              grad_accum: int = 1) -> Mesh:
     """The mesh of this process: checks the degrees against the world, joins the process group (gloo on CPU,
     NCCL on CUDA) and builds the named DeviceMesh; the null mesh outside torchrun."""
     world, rank, local_rank = world_from_env()
-    cfg.check(world, batch_size)
+    cfg.check(world, batch_size, grad_accum)
     if world == 1:
         return Mesh(cfg)
     import torch.distributed as dist

@@ -112,7 +112,7 @@ PROFILES = {
                      rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
-                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
+                     response_cap=1024, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
                      merge_method="ties", merge_density=0.5),
     # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down
     "full": Profile(name="full", vocab_size=2048, layers=None,
@@ -122,7 +122,7 @@ PROFILES = {
                     rl_steps=100, rl_prompts=8, rl_group=8, rl_lr=1e-5,
                     mopd_steps=200, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
                     eval_n=64, eval_samples=2, eval_temperature=1.0, eval_think_cap=None,
-                    response_cap=256, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
+                    response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
                     merge_method="ties", merge_density=0.5),
 }
 

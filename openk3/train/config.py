@@ -46,6 +46,7 @@ SCHEDULES = ("cosine", "wsd", "constant")
 RESUME_FREE = frozenset({
     "max_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "samples",
     "sample_tokens", "threads", "device", "activation_checkpointing", "cache_dir", "peak_flops", "preset",
+    "grad_accum",  # the same global batch in smaller pieces: the same steps
     "model.bos_token_id", "model.eos_token_id", "model.pad_token_id",
     # the same global batch gives the same steps at any world size, so a run may resume on another one
     "parallel.dp_shard", "parallel.dp_replicate", "parallel.ep", "parallel.pp", "parallel.cp",
@@ -60,7 +61,8 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # degrees; torchrun gives the processes
     preset: str | None = "nano"  # name the model section came from (informational)
     # loop
-    batch_size: int = 8
+    batch_size: int = 8  # the global batch (rows per optimizer step, all ranks and micro-batches together)
+    grad_accum: int = 1  # micro-batches per step on each rank: activations of batch_size / (dp * grad_accum) rows
     seq_len: int = 256
     max_steps: int = 1000
     eval_every: int = 100  # 0: only at the end
@@ -105,13 +107,16 @@ class TrainConfig:
                 canonical = None
             if canonical is not None:
                 object.__setattr__(self, "dtype", canonical)
-        positive = ("batch_size", "seq_len", "log_every", "sample_tokens")
+        positive = ("batch_size", "grad_accum", "seq_len", "log_every", "sample_tokens")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "eval_every", "save_every", "samples"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size {self.batch_size} must divide into grad_accum={self.grad_accum} "
+                             f"micro-batches (on every data-parallel rank)")
         if self.eval_batches is not None and self.eval_batches < 1:
             raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:

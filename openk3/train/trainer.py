@@ -118,6 +118,8 @@ class Trainer:
                 if on:
                     raise ValueError(f"{what} with data parallelism is not implemented yet (issue 19); run it in "
                                      "one process or turn it off")
+        if cfg.grad_accum > 1 and cfg.aux_loss_coef > 0:
+            raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
         self.step = 0
         self.tokens = 0
@@ -139,24 +141,30 @@ class Trainer:
         seg = batch["seg"][rows].to(self.device) if batch.get("seg") is not None else None
         lr = self.opt.cfg.lr * self.schedule.multiplier
         self.recorder.clear()
-        with autocast_context(cfg.dtype, self.device):
-            logits = model(ids, seg_BT=seg)
-            loss_sum, count = cross_entropy_sum(logits, labels)
-            # the global count of loss tokens: each rank's loss is its share of the global mean, so the
-            # summed gradients (FSDP reduces a sum) are the single-process gradients of the whole batch
-            count = self.mesh.all_reduce_sum(count.detach().clone())
-            loss = loss_sum / count.clamp_min(1)
-            total = loss
-            aux = None
-            if cfg.aux_loss_coef > 0 and self.recorder.layers:
-                aux = self.recorder.aux_loss()
-                total = loss + cfg.aux_loss_coef * aux
-        recorded = {n: len(r) for n, r in self.recorder.records.items()}
-        # FSDP averages the ranks' gradients; the shares of the global mean must add up, so undo the division
-        (total * self.mesh.dp_size if self.mesh.dp_size > 1 else total).backward()
-        for n, k in recorded.items():  # activation checkpointing re-ran the MoE forwards: drop the repeats
-            del self.recorder.records[n][k:]
-            del self.recorder.inputs[n][k:]
+        # the global count of loss tokens (all ranks, all micro-batches): each micro-batch's loss is its share
+        # of the global mean, so the accumulated and (FSDP) reduced gradients are the single-process gradients
+        # of the whole batch, however it is split
+        count = self.mesh.all_reduce_sum((labels != IGNORE_INDEX).sum())
+        loss = torch.zeros((), device=self.device)
+        aux = None
+        micro = ids.shape[0] // cfg.grad_accum
+        for k in range(cfg.grad_accum):
+            part = slice(k * micro, (k + 1) * micro)
+            with autocast_context(cfg.dtype, self.device):
+                logits = model(ids[part], seg_BT=None if seg is None else seg[part])
+                loss_sum, _ = cross_entropy_sum(logits, labels[part])
+                share = loss_sum / count.clamp_min(1)
+                total = share
+                if cfg.aux_loss_coef > 0 and self.recorder.layers:
+                    aux = self.recorder.aux_loss()
+                    total = share + cfg.aux_loss_coef * aux
+            recorded = {n: len(r) for n, r in self.recorder.records.items()}
+            # FSDP averages the ranks' gradients; the shares of the global mean must add up, so undo the division
+            (total * self.mesh.dp_size if self.mesh.dp_size > 1 else total).backward()
+            for n, r in recorded.items():  # activation checkpointing re-ran the MoE forwards: drop the repeats
+                del self.recorder.records[n][r:]
+                del self.recorder.inputs[n][r:]
+            loss = loss + share.detach()
         grad_norm = full_tensor(self.opt.clip_grad_norm_())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -398,7 +406,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, 
 
     device = resolve_device(cfg.device)  # a ValueError naming what is missing, before anything is written
     # under torchrun: the process group and the data ranks (docs/distributed.md); the null mesh otherwise
-    mesh = init_mesh(cfg.parallel, device, batch_size=cfg.batch_size)
+    mesh = init_mesh(cfg.parallel, device, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     try:
         return _train(cfg, Path(out_dir), mesh, device, resume=resume, progress=progress and mesh.is_main,
                       allow_config_change=allow_config_change, on_event=on_event)
