@@ -182,3 +182,25 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
         w = dict(openk3.load(run / "checkpoints" / "step_000004", dtype="float32").named_parameters())
         worst = max((ref_w[k] - w[k]).abs().max().item() for k in ref_w)
         assert worst <= 1e-5, (run.name, worst)  # measured 1.1e-6 (2 -> 1) and 4.8e-7 (1 -> 2)
+
+
+def test_dry_run_prints_the_layout_and_starts_nothing(tmp_path, capsys):
+    """`openk3 train --dry-run`: the mesh, each rank's rows, memory per rank from the planner's arithmetic (so
+    the two agree), where the experts live; nothing written, no process group; a bad layout exits 2 by name."""
+    from openk3.__main__ import main
+    from openk3.config import preset
+    from openk3.plan.train import TrainSpec, per_gpu_bytes
+
+    out = tmp_path / "run"
+    base = ["train", "--preset", "nano", "--out", str(out), "--dry-run", "batch_size=8", "seq_len=64"]
+    assert main([*base, "parallel.dp_shard=2", "grad_accum=2"]) == 0
+    text = capsys.readouterr().out
+    assert "dry run: 2 processes; mesh dp_replicate 1 x dp_shard 2" in text
+    assert "torchrun --standalone --nproc_per_node 2 -m openk3 train" in text
+    assert "rank 1: replica 0, shard 1: rows 4-7 of each global batch of 8, in 2 micro-batches of 2 x 64" in text
+    mem = per_gpu_bytes(preset("nano"), TrainSpec(seq_len=64, micro_batch_tokens=128), 2)
+    assert f"total {mem['total'] / 2**20:,.1f} MiB" in text
+    assert "routed experts; ep 1: every rank holds all" in text
+    assert not out.exists()
+    assert main([*base, "parallel.dp_shard=3"]) == 2  # 8 rows do not divide among 3 ranks
+    assert "choose a multiple of 3" in capsys.readouterr().err

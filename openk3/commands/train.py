@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_resume_arguments(p, history_file="train_config_history.jsonl (docs/training.md)",
                          maths="(optim.*, model.*, data.*, batch_size, seq_len, seed, ...) ")
     # key=value overrides may sit anywhere among the flags: `openk3.__main__.parse_args` collects the later ones
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the layout this launch would get (mesh, each rank's rows, memory per rank, experts) "
+                        "and exit; the world size is the product of the parallel.* degrees")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. optim.lr=1e-3")
 
 
@@ -110,6 +113,11 @@ def main(args: argparse.Namespace) -> int:
     from openk3.train.trainer import train
 
     cfg = build_config(args)
+    if args.dry_run:
+        from openk3.parallel.layout import describe
+
+        print(describe(cfg), flush=True)
+        return 0
     if (base := run_config(args)) is not None:
         print(f"[train] resuming {args.out}: its {base.name} is the base config; only the options given here "
               "change it", flush=True)
