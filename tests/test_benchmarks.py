@@ -3,6 +3,7 @@ so a change that breaks a benchmark script fails CI rather than the next person 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -95,3 +96,17 @@ def test_bench_serve_inprocess_closed_loop():
     # refilled as soon as one finishes: 2 in flight until the queue runs dry, then only the tail drains
     assert set(in_flight) == {1, 2} and in_flight == sorted(in_flight, reverse=True)
     assert row["output_tokens_per_s"] == 5 * 3 / row["wall_s"]
+
+
+@pytest.mark.slow  # one 1-process and one 2-process (torchrun) run of nano, ~10 s
+def test_bench_distributed_runs(tmp_path):
+    import bench_distributed
+
+    out = bench_distributed.main(["--rows", "1", "--seq-len", "32", "--steps", "1", "--warmup", "1",
+                                  "--json", str(tmp_path / "d.json")])
+    assert [r["world"] for r in out["runs"]] == [1, 2]
+    assert out["runs"][1]["tokens_per_step"] == 2 * out["runs"][0]["tokens_per_step"]  # rows are per rank
+    assert out["speedup"] > 0 and out["efficiency"] == out["speedup"] / 2
+    comm = out["comm_bytes_per_rank_step"]
+    assert comm["fsdp"] > comm["muon"] > 0 and comm["total"] > comm["fsdp"]
+    assert json.loads((tmp_path / "d.json").read_text())["runs"] == out["runs"]

@@ -95,6 +95,19 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert think["general/low"] < think["general/high"] < think["general/max"]
     assert (out / "eval" / "report.md").is_file() and (out / "eval" / "teacher_rl.png").is_file()
 
+    # item 8 through the chat API on the trained student (scripts/effort_demo.py): every effort answers,
+    # thinking off ("none") gives no reasoning at all
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("effort_demo",
+                                                  Path(__file__).parents[1] / "scripts" / "effort_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    think = demo.main([checkpoints["student"], "--n", "2", "--max-tokens", "8"])
+    assert set(think) == {"low", "high", "max", "none"} and think["none"] == [0, 0]
+    assert all(len(v) == 2 and max(v) <= 8 for v in think.values()), think
+
     # a rerun of a finished pipeline does nothing and leaves the report as it was
     before = (out / "report.json").read_bytes()
     assert run_command("--preset", "nano", "--out", str(out), "--profile", "tiny", "--domains", "general",

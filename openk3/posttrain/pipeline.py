@@ -99,7 +99,9 @@ PROFILES = {
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
                     response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
                     merge_method="ties", merge_density=0.5),
-    # one CPU core, under 12 minutes for all three domains (9m55s measured; docs/posttraining.md). SFT and eval
+    # one CPU core, under 12 minutes for all three domains (9m55s measured; docs/posttraining.md). Its response
+    # cap (64) is below most agent / coding reference turns (p90 401 / 278 tokens: file writes), so those turns
+    # end as format failures: smoke checks the mechanics; with a cap of 1024 the eval alone took ~11 min. SFT and eval
     # carry most of it: the effort ordering comes from the three verbosities of the SFT traces. nano is cut to
     # 4 layers: at 9 the same minutes of SFT learn nothing usable. RL and MOPD take a few steps, so the curves
     # exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its traces, and
@@ -112,9 +114,10 @@ PROFILES = {
                      rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
-                     response_cap=1024, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
+                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
                      merge_method="ties", merge_density=0.5),
-    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down
+    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down;
+    # the response cap covers the longest reference turn (a coding file write, ~1,040 tokens)
     "full": Profile(name="full", vocab_size=2048, layers=None,
                     general_problems=600, agentic_problems=40, levels=None,
                     sft_steps=None, sft_epochs=2, sft_batch=8, sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,

@@ -1,0 +1,154 @@
+"""Data-parallel scaling on this machine (issue 19 item 7): tokens/s of N ranks against 1 at the same rows per
+rank, and the bytes each step moves, from the arithmetic of what FSDP2 and the trainer communicate.
+
+    python benchmarks/bench_distributed.py                          # nano, 2 ranks vs 1, 4 rows x 256 per rank
+    python benchmarks/bench_distributed.py --preset small --rows 2 --seq-len 512 --steps 6 --json out.json
+
+The script launches itself: once as one process, once under `torch.distributed.run --standalone
+--nproc_per_node N` (gloo on CPU, one thread per rank as torchrun sets it). Each run trains `--steps` steps
+of `--rows` rows per rank (so N ranks train N times the tokens per step) on random ids with the default
+optimizers and Quantile Balancing; the first `--warmup` steps are not timed. Reported: median step time,
+global tokens/s, the speed-up (N-rank tokens/s / 1-rank tokens/s) and the scaling efficiency (speed-up / N).
+
+Communication per step and rank (fp32 parameters; W ranks; P parameters, P_muon of them on Muon), the
+arithmetic printed beside the measurement:
+- FSDP2 all-gathers every layer's parameters in forward and again in backward (reshard after forward) and
+  reduce-scatters the gradients: 3 x 4 P (W-1)/W bytes received;
+- Muon gathers each matrix's direction to orthogonalise it whole: 4 P_muon (W-1)/W;
+- Quantile Balancing all-gathers the router scores: 4 N_tokens E (W-1) per MoE layer; the loss-token count
+  and the logged loss: two 8-byte all-reduces.
+`openk3 plan --train` counts the same parameter bytes for its memory. Nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One run (this process is one rank, or the only one); rank 0 writes the step times to args.out."""
+    import torch
+
+    from openk3.common import setup_cpu
+    from openk3.config import preset
+    from openk3.model.model import K3ForCausalLM
+    from openk3.parallel.fsdp import apply_fsdp
+    from openk3.parallel.mesh import ParallelConfig, init_mesh, world_from_env
+    from openk3.train.config import TrainConfig
+    from openk3.train.optim import build_optimizer
+    from openk3.train.schedule import LRSchedule
+    from openk3.train.trainer import Trainer
+
+    setup_cpu(1)
+    world = world_from_env()[0]
+    cfg = TrainConfig(model=preset(args.preset), batch_size=args.rows * world, seq_len=args.seq_len,
+                      max_steps=args.steps + args.warmup, warmup=1, parallel=ParallelConfig(dp_shard=world))
+    mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)
+    model = K3ForCausalLM.build(cfg.model, seed=0)
+    apply_fsdp(model, mesh)
+    opt = build_optimizer(model, cfg.optim)
+    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
+                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
+    trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(args.steps + args.warmup):
+        ids = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+        batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1), "seg": None}
+        mesh.barrier()
+        t0 = time.perf_counter()
+        trainer.train_step(batch)
+        mesh.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    trainer.close()
+    if mesh.is_main:
+        with open(args.out, "w") as f:
+            json.dump({"world": world, "times": times, "tokens_per_step": cfg.batch_size * cfg.seq_len}, f)
+    mesh.close()
+
+
+def comm_bytes(preset_name: str, world: int, tokens_per_rank: int) -> dict:
+    """Bytes received per rank and step, from the arithmetic in the module docstring."""
+    from openk3.config import preset
+    from openk3.plan import counts
+    from openk3.plan.train import optimizer_split
+
+    cfg = preset(preset_name)
+    p, split = counts.params(cfg).total, optimizer_split(cfg)
+    share = (world - 1) / world
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    fsdp = 3 * 4 * p * share
+    muon = 4 * split["muon"] * share
+    qb = 4 * tokens_per_rank * cfg.num_experts * (world - 1) * moe_layers
+    return {"fsdp": fsdp, "muon": muon, "qb": qb, "scalars": 16, "total": fsdp + muon + qb + 16}
+
+
+def run(cmd: list[str]) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"bench_distributed: {' '.join(cmd[:6])} ... failed:\n{proc.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="nano")
+    p.add_argument("--ranks", type=int, default=2, help="processes of the data-parallel run (default 2)")
+    p.add_argument("--rows", type=int, default=4, help="rows per rank and step (default 4)")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rank, write here
+    args = p.parse_args(argv)
+    if args.worker is not None:
+        args.out = args.worker
+        worker(args)
+        return {}
+    here = os.path.abspath(__file__)
+    common = ["--preset", args.preset, "--rows", str(args.rows), "--seq-len", str(args.seq_len),
+              "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (1, args.ranks):
+            out = os.path.join(tmp, f"w{world}.json")
+            launch = [sys.executable] if world == 1 else \
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+            run([*launch, here, *common, "--worker", out])
+            with open(out) as f:
+                r = json.load(f)
+            step = statistics.median(r["times"])
+            rows[world] = {"world": world, "step_s": step, "tokens_per_s": r["tokens_per_step"] / step,
+                           "tokens_per_step": r["tokens_per_step"]}
+    one, many = rows[1], rows[args.ranks]
+    speedup = many["tokens_per_s"] / one["tokens_per_s"]
+    comm = comm_bytes(args.preset, args.ranks, args.rows * args.seq_len)
+    result = {"preset": args.preset, "rows_per_rank": args.rows, "seq_len": args.seq_len, "runs": list(rows.values()),
+              "speedup": speedup, "efficiency": speedup / args.ranks, "comm_bytes_per_rank_step": comm,
+              "cpus": os.cpu_count()}
+    print(f"bench_distributed: {args.preset}, {args.rows} rows x {args.seq_len} tokens per rank, "
+          f"{args.steps} timed steps (median), gloo, one thread per rank, {os.cpu_count()} CPUs")
+    print(f"{'ranks':>5} {'step s':>8} {'tokens/s':>10}")
+    for r in rows.values():
+        print(f"{r['world']:>5} {r['step_s']:>8.3f} {r['tokens_per_s']:>10,.0f}")
+    print(f"speed-up {speedup:.2f}x on {args.ranks} ranks (efficiency {speedup / args.ranks:.0%}); communication per "
+          f"rank and step (arithmetic): FSDP {comm['fsdp'] / 2**20:.1f} MiB, Muon gathers {comm['muon'] / 2**20:.1f} "
+          f"MiB, QB scores {comm['qb'] / 2**20:.2f} MiB; total {comm['total'] / 2**20:.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
