@@ -204,3 +204,14 @@ def test_dry_run_prints_the_layout_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
     assert main([*base, "parallel.dp_shard=3"]) == 2  # 8 rows do not divide among 3 ranks
     assert "choose a multiple of 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # two torchrun launches of 2 processes
+def test_two_rank_runs_are_bitwise_deterministic(tmp_path):
+    """The same seed and layout twice under torchrun: identical losses, gradient norms and weights, bit for bit
+    (T9: no nondeterministic reduction order in the collectives or the QB gather)."""
+    a = _run(tmp_path / "a.pt", 2, "shard", steps=2)
+    b = _run(tmp_path / "b.pt", 2, "shard", steps=2)
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert all(torch.equal(a["biases"][k], b["biases"][k]) for k in a["biases"])
