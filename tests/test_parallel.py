@@ -157,9 +157,10 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.slow  # 3 one-process runs and 2 torchrun launches of nano, ~35 s on 2 CPUs
 def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
-    the same command line as one process: a run started on 2 processes resumes on 1, and one started on 1
-    resumes on 2, each ending where the uninterrupted one-process run ends (losses, weights); only rank 0
-    writes (one metrics line per step, one checkpoint per save)."""
+    the same command line as one process: a run started on 2 processes (optimizer state in DCP shards) resumes
+    on 1, and one started on 1 (whole optimizer state) resumes on 2, each ending where the uninterrupted
+    one-process run ends (losses, weights); only rank 0 writes (one metrics line per step); a torn DCP staging
+    folder is removed."""
     import openk3
 
     one = tmp_path / "one"
@@ -169,7 +170,14 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     _openk3_train(two_then_one, 2, *TRAIN, *tok, "--max-steps", "2")
     state = json.loads((two_then_one / "train_config.json").read_text())
     assert state["parallel"]["dp_shard"] == 2
-    _openk3_train(two_then_one, 1, "--no-progress", "--max-steps", "4")
+    # the 2-process save: weights whole (release format), optimizer state as DCP shards inside the checkpoint
+    step2 = two_then_one / "checkpoints" / "step_000002"
+    shards = list((step2 / "optimizer_dcp").glob("*.distcp"))
+    assert (step2 / "optimizer_dcp" / ".metadata").is_file() and len(shards) == 2  # one file per rank
+    assert torch.load(step2 / "trainer_state.pt", weights_only=True)["optimizer"]["dcp"] == "optimizer_dcp"
+    (two_then_one / "checkpoints" / ".dcp-step_000004").mkdir()  # a save killed before it committed
+    _openk3_train(two_then_one, 1, "--no-progress", "--max-steps", "4")  # loads the DCP shards in one process
+    assert not (two_then_one / "checkpoints" / ".dcp-step_000004").exists()  # removed as a torn save
     _openk3_train(one_then_two, 1, *TRAIN, *tok, "--max-steps", "2")
     _openk3_train(one_then_two, 2, "--no-progress", "--max-steps", "4")
     ref = _losses(one)

@@ -80,7 +80,7 @@ def assistant_ids(prompt_messages: list[dict], message: dict, effort: str) -> li
     return after[len(before):]
 
 
-def scripted_cell(effort: str, n: int, budget: BudgetConfig, batch: int = 32):
+def scripted_cell(effort: str, n: int, budget: BudgetConfig, batch: int = ev.DRAW_CHUNK):
     """(script, plan): the problems `evaluate_engine` draws for (general, effort) and, per prompt, a turn with a
     chosen think length and response. plan rows: (think tokens, budget, task reward, difficulty) expected."""
     source = ProblemSource("general", effort, TOK, split="test", seed=0, budget=budget)
@@ -107,7 +107,7 @@ def test_cell_metrics_on_scripted_rollouts_are_exact():
     budget = BudgetConfig(b_floor=16)
     scripts, plans = {}, {}
     for effort in ("low", "max"):
-        scripts[effort], plans[effort] = scripted_cell(effort, 7, budget, batch=3)
+        scripts[effort], plans[effort] = scripted_cell(effort, 7, budget)  # drawn in DRAW_CHUNK chunks
 
     def script(ids):
         for s in scripts.values():
@@ -447,3 +447,14 @@ def test_the_command_module_defaults_agree_with_rollout_and_import_no_torch():
     code = "import sys, openk3.commands.eval, openk3.commands.distill; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_rounds_pack_fixed_chunks_so_the_problems_do_not_depend_on_the_engine_size():
+    cells = ev.parse_cells("general,agent")
+    for n in (16, 40):
+        chunks = {(c, k, m) for r in ev.eval_rounds(cells, n, 64) for c, k, m in r}
+        for batch in (1, 16, 32, 100):
+            rounds = ev.eval_rounds(cells, n, batch)
+            assert {(c, k, m) for r in rounds for c, k, m in r} == chunks  # the same draws, only packed apart
+            assert all(sum(m for _, _, m in r) <= max(batch, ev.DRAW_CHUNK) for r in rounds)
+        assert all(m <= ev.DRAW_CHUNK for _, _, m in chunks) and sum(m for _, _, m in chunks) == 6 * n

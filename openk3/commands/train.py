@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from openk3.commands.common import add_resume_arguments
@@ -98,12 +99,16 @@ def build_config(args: argparse.Namespace):
         changes["dtype"] = args.dtype
     if args.data is not None:
         changes["data"] = dataclasses.replace(cfg.data, source=args.data)
-    if not any(o.split("=", 1)[0].strip().startswith("parallel.") for o in args.overrides):
-        # The degrees describe this launch, not the run: by default every process torchrun started shards the
-        # model (FSDP2), so a run resumes on any world size and `torchrun -m openk3 train` needs no override.
-        from openk3.parallel.mesh import ParallelConfig, world_from_env
+    from openk3.parallel.mesh import ParallelConfig, world_from_env
 
-        changes["parallel"] = ParallelConfig(dp_shard=world_from_env()[0])
+    world = world_from_env()[0]
+    if cfg.parallel.world_size != world and \
+            not any(o.split("=", 1)[0].strip().startswith("parallel.") for o in args.overrides):
+        # The degrees describe a launch, not the run: a base config (a --config file, or the run resumed) made
+        # for another number of processes gets every process torchrun started as a shard (FSDP2), so a run
+        # resumes on any world size and `torchrun -m openk3 train` needs no override; degrees that fit this
+        # world (an HSDP layout in a --config file) are kept
+        changes["parallel"] = ParallelConfig(dp_shard=world)
     cfg = dataclasses.replace(cfg, **changes)
     return apply_overrides(cfg, args.overrides)
 
@@ -113,18 +118,21 @@ def main(args: argparse.Namespace) -> int:
     from openk3.train.trainer import train
 
     cfg = build_config(args)
+    quiet = os.environ.get("RANK", "0") != "0"  # under torchrun rank 0 speaks for the run
     if args.dry_run:
         from openk3.parallel.layout import describe
 
         print(describe(cfg), flush=True)
         return 0
-    if (base := run_config(args)) is not None:
+    if (base := run_config(args)) is not None and not quiet:
         print(f"[train] resuming {args.out}: its {base.name} is the base config; only the options given here "
               "change it", flush=True)
     resolve_device(cfg.device)  # refuse a missing device before printing the config (train checks it too)
-    print("[train] config: " + json.dumps(cfg.to_dict(), indent=2), flush=True)
+    if not quiet:
+        print("[train] config: " + json.dumps(cfg.to_dict(), indent=2), flush=True)
     summary = train(cfg, args.out, resume=args.resume, progress=args.progress,
                     allow_config_change=args.allow_config_change)
-    print(f"[train] validation bits per byte: {summary['val_bpb']:.4f} (loss {summary['val_loss']:.4f}); "
-          f"checkpoint {summary['checkpoint']}")
+    if not quiet:
+        print(f"[train] validation bits per byte: {summary['val_bpb']:.4f} (loss {summary['val_loss']:.4f}); "
+              f"checkpoint {summary['checkpoint']}")
     return 0

@@ -163,11 +163,12 @@ def bits_per_byte(total_nats: float, num_bytes: int) -> float:
 @torch.no_grad()
 def evaluate_bpb(model: torch.nn.Module, split: TokenSplit, batch_size: int, seq_len: int,
                  max_batches: int | None = None, *, rank: int = 0, world_size: int = 1,
-                 device: torch.device | str | None = None) -> dict:
+                 device: torch.device | str | None = None, chunk_rows: int | None = None) -> dict:
     """Summed CE (ignore_index -100) of `model(input_ids, seg_BT=seg)` over `eval_batches`, and bits
     per byte over the bytes of exactly the scored tokens (module docstring). Returns dict(loss (mean
     nats per scored token), bpb, tokens, bytes, nats); with world_size > 1 sum `nats`, `tokens`,
-    `bytes` over ranks and recompute. The model is put in eval mode and restored."""
+    `bytes` over ranks and recompute. chunk_rows: run each batch through the model this many rows at a time
+    (the same sums; the logits of a whole batch need not fit). The model is put in eval mode and restored."""
     if device is None:
         device = next(model.parameters()).device
     was_training = model.training
@@ -179,13 +180,16 @@ def evaluate_bpb(model: torch.nn.Module, split: TokenSplit, batch_size: int, seq
             mask = labels != IGNORE_INDEX
             if not bool(mask.any()):
                 continue
-            logits = model(batch["input_ids"].to(device), seg_BT=batch["seg"].to(device))
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                     labels.to(device).reshape(-1), ignore_index=IGNORE_INDEX,
-                                                     reduction="sum")
-            nats += float(loss)
+            step = chunk_rows or labels.shape[0]
+            for r in range(0, labels.shape[0], step):
+                rows = slice(r, r + step)
+                logits = model(batch["input_ids"][rows].to(device), seg_BT=batch["seg"][rows].to(device))
+                if logits.dtype in (torch.float16, torch.bfloat16):
+                    logits = logits.float()
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         labels[rows].to(device).reshape(-1),
+                                                         ignore_index=IGNORE_INDEX, reduction="sum")
+                nats += float(loss)
             tokens += int(mask.sum())
             if split.token_bytes is not None:
                 nbytes += int(split.token_bytes[labels[mask].numpy()].sum())

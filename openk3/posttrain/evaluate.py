@@ -52,6 +52,8 @@ CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)
 MODEL_KEYS = ("sft", "student", "merged")
 #: The least trajectories per cell the report contract asks for.
 MIN_N = 16
+#: Problems a cell draws per source step: fixed, so the problems do not depend on how rounds are packed.
+DRAW_CHUNK = 32
 #: A sampling temperature the sampler treats as greedy (`infer.sample.MIN_TEMPERATURE` is 1e-5) while the
 #: rollout, which refuses 0 (it records behaviour log-probs for RL), still accepts it.
 _GREEDY_TEMPERATURE = 1e-6
@@ -178,7 +180,7 @@ def budget_forced_rollout(engine, problems: Sequence[Problem], budgets: dict[str
     return first
 
 
-def draw_chunks(source: ProblemSource, n_per_cell: int, batch_problems: int):
+def draw_chunks(source: ProblemSource, n_per_cell: int, batch_problems: int = DRAW_CHUNK):
     """(chunk index, problems) for one cell: n_per_cell problems in chunks of at most batch_problems (chunk k
     is the source's step k), so at most one chunk's sandboxes are open at a time. The caller releases them."""
     for chunk, start in enumerate(range(0, n_per_cell, batch_problems)):
@@ -264,17 +266,18 @@ def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | 
 
 
 def eval_rounds(cells: list[tuple[str, str]], n_per_cell: int, batch_problems: int) -> list[list[tuple]]:
-    """The rollouts of an evaluation: lists of (cell, chunk, n) with at most batch_problems problems each.
-    Every cell is cut into chunks of at most batch_problems (chunk k is its source's step k, so a cell draws
-    the same problems however it is grouped); chunks fill rounds in cell order."""
+    """The rollouts of an evaluation: lists of (cell, chunk, n). Every cell is cut into chunks of at most
+    DRAW_CHUNK problems (chunk k is its source's step k), so a cell draws the same problems whatever the
+    engine's size and whichever other cells run; chunks fill rounds of up to batch_problems problems (at least
+    one chunk each) in cell order."""
     rounds: list[list[tuple]] = [[]]
-    room = batch_problems
+    room = max(batch_problems, DRAW_CHUNK)
     for cell in cells:
-        for chunk, start in enumerate(range(0, n_per_cell, batch_problems)):
-            n = min(batch_problems, n_per_cell - start)
-            if n > room:
+        for chunk, start in enumerate(range(0, n_per_cell, DRAW_CHUNK)):
+            n = min(DRAW_CHUNK, n_per_cell - start)
+            if n > room and rounds[-1]:
                 rounds.append([])
-                room = batch_problems
+                room = max(batch_problems, DRAW_CHUNK)
             rounds[-1].append((cell, chunk, n))
             room -= n
     return rounds

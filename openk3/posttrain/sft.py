@@ -249,14 +249,8 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     from openk3.train.metrics import MetricsLog, losses_by_step, plot_losses
     from openk3.train.optim import build_optimizer
     from openk3.train.schedule import LRSchedule
-    from openk3.train.state import find_latest, save_checkpoint
-    from openk3.train.trainer import (
-        Trainer,
-        open_run_folder,
-        record_config,
-        resume_trainer,
-        with_tokenizer_ids,
-    )
+    from openk3.train.state import find_latest, open_run_folder, record_config, resume_trainer, save_checkpoint
+    from openk3.train.trainer import Trainer, with_tokenizer_ids
 
     device = resolve_device(cfg.device)
     cfg, base = resolve_paths(cfg)

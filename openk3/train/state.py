@@ -20,10 +20,13 @@ the next newest one, reporting what was wrong.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +40,9 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 # What an interrupted save leaves in checkpoints/: our `.tmp-step_*-<pid>` / `.old-step_*-<pid>` folders,
 # `openk3.save`'s own temp sibling of the former (`..tmp-step_*-<pid>.tmp-<hex>`, `files.temp_sibling`),
 # `trainer_state.pt.tmp` of `write_trainer_state` and `latest.tmp.<pid>.<hex>` of `fsutil.write_atomic`.
-_LEFTOVER = re.compile(r"^\.+(tmp|old)-|^\..*\.(tmp|old)-[0-9a-f]+$|\.tmp(\.\d+\.[0-9a-f]+)?$")
+# torn saves: ".tmp-step_*" / ".old-step_*" folders, write_atomic's temps, and the DCP optimizer staging
+# folders (".dcp-step_*", `openk3.parallel.checkpoint`) of a multi-process save that never committed
+_LEFTOVER = re.compile(r"^\.+(tmp|old|dcp)-|^\..*\.(tmp|old)-[0-9a-f]+$|\.tmp(\.\d+\.[0-9a-f]+)?$")
 
 
 def checkpoint_root(out_dir: str | os.PathLike) -> Path:
@@ -92,9 +97,11 @@ def write_trainer_state(path: Path, state: dict) -> None:
 
 
 def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *,
-                    extra_files: dict[str, str] | None = None, keep: int | None = None) -> Path:
+                    extra_files: dict[str, str] | None = None, keep: int | None = None,
+                    extra_dirs: dict[str, Path] | None = None) -> Path:
     """Write checkpoint `step` (weights via `openk3.save` in fp32, `trainer_state.pt`, `extra_files`
-    {name: source path} copied in), atomically; update `latest`; prune to the newest `keep`."""
+    {name: source path} copied in, `extra_dirs` {name: folder} moved in: a multi-process run's DCP optimizer
+    shards), atomically; update `latest`; prune to the newest `keep`."""
     from openk3.checkpoint import save
 
     root = checkpoint_root(out_dir)
@@ -106,6 +113,8 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
     try:
         save(model, tmp, dtype=torch.float32, extra_files=extra_files)
         write_trainer_state(tmp / STATE_FILE, state)
+        for name, src in (extra_dirs or {}).items():  # same file system: a rename, inside the atomic write
+            os.replace(src, tmp / name)
         fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. the end of a run resumed at its last step)
             old = root / f".old-{step_dir_name(step)}-{os.getpid()}"
@@ -225,6 +234,10 @@ def load_latest(out_dir: str | os.PathLike) -> tuple[Path, dict, object, list[st
         except Exception as e:  # reported by name below, and fatal if no checkpoint loads
             problems.append(f"{path / STATE_FILE}: {type(e).__name__}: {e}")
             continue
+        dcp_dir = state.get("optimizer", {}).get("dcp") if isinstance(state.get("optimizer"), dict) else None
+        if dcp_dir is not None and not (path / dcp_dir / ".metadata").is_file():
+            problems.append(f"{path / dcp_dir}: the optimizer's DCP shards are missing")
+            continue
         try:
             weights = read_weights(path)
         except Exception as e:
@@ -254,3 +267,57 @@ def load_weights_into(model, path: str | os.PathLike, loaded=None) -> None:
             t.copy_(distribute_tensor(src[name].to(t.dtype), t.device_mesh, t.placements, src_data_rank=None))
         else:
             t.copy_(src[name])
+
+
+# ---- the run folder: what `openk3 train` and `openk3 sft` open, resume and record -------------------------
+
+def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None]):
+    """(checkpoint folder, trainer state, weights) of the newest intact checkpoint in `out` to resume, or
+    Nones. Torn saves are removed first; resume=False refuses a folder that has checkpoints."""
+    for name in clean_leftovers(out):
+        say(f"removed {name} (left by an interrupted checkpoint)")
+    if not resume and (latest := find_latest(out)) is not None:
+        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
+    if not resume or (found := load_latest(out)) is None:
+        return None, None, None
+    ckpt, saved, saved_weights, problems = found
+    for problem in problems:
+        warn(f"skipping a damaged checkpoint: {problem}")
+    if problems:
+        warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
+    return ckpt, saved, saved_weights
+
+
+def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
+                   say: Callable[[str], None], *, write: bool = True) -> int | None:
+    """Load the checkpoint into the trainer's model and state and drop metrics logged after it (returns the
+    step resumed from); a fresh run (no checkpoint) starts a new metrics file. write=False (ranks other than
+    0): load only, leave the metrics file alone."""
+    if ckpt is None:
+        if write and metrics_path.exists():
+            metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
+        return None
+    load_weights_into(trainer.model, ckpt, saved_weights)
+    trainer.load_state_dict(saved, ckpt)
+    from openk3.train.metrics import truncate_after
+
+    dropped = truncate_after(str(metrics_path), trainer.step) if write else 0
+    say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after it"
+                                                          if dropped else ""))
+    return trainer.step
+
+
+def record_config(out: Path, cfg, *, step: int | None, changes: list[str], name: str = "train_config") -> None:
+    """Write the config in force to `out/<name>.json` (`openk3 sft` uses name="sft_config"). When a resume
+    changed it, the config it replaces is appended first to `out/<name>_history.jsonl` (one JSON line: the
+    step the change takes effect after, the changes, the previous config), so no earlier config is ever lost."""
+    path = out / f"{name}.json"
+    if changes and path.is_file():
+        from openk3.fsutil import read_json
+
+        entry = {"step": step, "time": time.time(), "changes": changes, "previous": read_json(path)}
+        with open(out / f"{name}_history.jsonl", "a") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    cfg.to_json(path)

@@ -49,20 +49,22 @@ from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
 from openk3.train.config import TrainConfig, resume_changes
-from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses, truncate_after
+from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
 from openk3.train.schedule import LRSchedule
 from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, planned_saves
 from openk3.train.state import (
-    clean_leftovers,
+    checkpoint_root,
     find_latest,
-    load_latest,
-    load_weights_into,
     naming,
+    open_run_folder,
+    record_config,
+    resume_trainer,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    step_dir_name,
 )
 
 IGNORE_INDEX = -100
@@ -209,7 +211,11 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         with autocast_context(cfg.dtype, self.device):
-            r = evaluate_bpb(self.model, split, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device=self.device)
+            # every rank scores the same batches (the sharded forward is collective, so the ranks must run the
+            # same forwards), a micro-batch of rows at a time: the same numbers at any layout
+            micro = cfg.batch_size // (self.mesh.dp_size * cfg.grad_accum)
+            r = evaluate_bpb(self.model, split, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device=self.device,
+                             chunk_rows=micro)
         self.recorder.clear()  # eval forwards are not routing statistics of a training step
         if self.qk_recorder is not None:
             self.qk_recorder.clear()
@@ -220,14 +226,27 @@ class Trainer:
         return rec
 
     # ---- state ----
-    def state_dict(self) -> dict:
+    def state_dict(self, optimizer: bool = True) -> dict:
+        """optimizer=False: the optimizer entry only names where its DCP shards go (multi-process saves)."""
+        from openk3.parallel.checkpoint import OPTIMIZER_DIR
+
+        opt = self.opt.state_dict() if optimizer else {"dcp": OPTIMIZER_DIR, "lr_multiplier": self.opt.lr_multiplier}
         return {"step": self.step, "tokens": self.tokens, "elapsed": self.elapsed,
-                "optimizer": self.opt.state_dict(), "schedule": self.schedule.state_dict(),
+                "optimizer": opt, "schedule": self.schedule.state_dict(),
                 "loader": self.batches.state_dict(), "rng": rng_state(), "history": list(self.history)}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, checkpoint: Path | None = None) -> None:
+        """`checkpoint`: the folder `sd` came from (where a multi-process save put the optimizer's shards)."""
         self.step, self.tokens, self.elapsed = int(sd["step"]), int(sd["tokens"]), float(sd["elapsed"])
-        self.opt.load_state_dict(sd["optimizer"])
+        if "dcp" in sd["optimizer"]:
+            from openk3.parallel.checkpoint import load_optimizer
+
+            if checkpoint is None:
+                raise ValueError("this trainer state keeps its optimizer in DCP shards: give the checkpoint folder")
+            load_optimizer(self.model, self.opt, Path(checkpoint) / sd["optimizer"]["dcp"])
+            self.opt.set_lr_multiplier(sd["optimizer"]["lr_multiplier"])
+        else:
+            self.opt.load_state_dict(sd["optimizer"])
         self.schedule.load_state_dict(sd["schedule"])
         self.batches.load_state_dict(sd["loader"])
         set_rng_state(sd["rng"])
@@ -308,56 +327,6 @@ def with_tokenizer_ids(model_cfg, tok):
     eos = tok.special_ids.get("<|end_of_msg|>", tok.eos_id)
     extra = dict(model_cfg.extra, bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
     return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
-
-
-def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None]):
-    """(checkpoint folder, trainer state, weights) of the newest intact checkpoint in `out` to resume, or
-    Nones. Torn saves are removed first; resume=False refuses a folder that has checkpoints."""
-    for name in clean_leftovers(out):
-        say(f"removed {name} (left by an interrupted checkpoint)")
-    if not resume and (latest := find_latest(out)) is not None:
-        raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
-    if not resume or (found := load_latest(out)) is None:
-        return None, None, None
-    ckpt, saved, saved_weights, problems = found
-    for problem in problems:
-        warn(f"skipping a damaged checkpoint: {problem}")
-    if problems:
-        warn(f"resuming from the newest intact checkpoint, {ckpt.name}")
-    return ckpt, saved, saved_weights
-
-
-def resume_trainer(trainer: Trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
-                   say: Callable[[str], None], *, write: bool = True) -> int | None:
-    """Load the checkpoint into the trainer's model and state and drop metrics logged after it (returns the
-    step resumed from); a fresh run (no checkpoint) starts a new metrics file. write=False (ranks other than
-    0): load only, leave the metrics file alone."""
-    if ckpt is None:
-        if write and metrics_path.exists():
-            metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
-        return None
-    load_weights_into(trainer.model, ckpt, saved_weights)
-    trainer.load_state_dict(saved)
-    dropped = truncate_after(str(metrics_path), trainer.step) if write else 0
-    say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after it"
-                                                          if dropped else ""))
-    return trainer.step
-
-
-def record_config(out: Path, cfg, *, step: int | None, changes: list[str], name: str = "train_config") -> None:
-    """Write the config in force to `out/<name>.json` (`openk3 sft` uses name="sft_config"). When a resume
-    changed it, the config it replaces is appended first to `out/<name>_history.jsonl` (one JSON line: the
-    step the change takes effect after, the changes, the previous config), so no earlier config is ever lost."""
-    path = out / f"{name}.json"
-    if changes and path.is_file():
-        from openk3.fsutil import read_json
-
-        entry = {"step": step, "time": time.time(), "changes": changes, "previous": read_json(path)}
-        with open(out / f"{name}_history.jsonl", "a") as fh:
-            fh.write(json.dumps(entry) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-    cfg.to_json(path)
 
 
 @torch.no_grad()
@@ -509,11 +478,25 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                         str(out / "loss.png"))
 
     def save() -> None:
-        state = trainer.state_dict()  # whole optimizer tensors: every rank takes part in gathering them
+        # several processes: the optimizer state goes to DCP shards written by every rank into a staging folder
+        # that rank 0 moves into the checkpoint as it commits (parallel/checkpoint.py); one process: as it was
+        state = trainer.state_dict(optimizer=not mesh.distributed)
         state["config"] = cfg.to_dict()
+        dirs = None
+        if mesh.distributed:
+            from openk3.parallel.checkpoint import OPTIMIZER_DIR, STAGING_PREFIX, save_optimizer
+
+            staging = checkpoint_root(out) / f"{STAGING_PREFIX}{step_dir_name(trainer.step)}"
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.parent.mkdir(parents=True, exist_ok=True)
+            mesh.barrier()
+            save_optimizer(model, opt, staging)
+            dirs = {OPTIMIZER_DIR: staging}
         whole = gathered_model(model, mesh, lambda: K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed))
         if main:
-            path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints)
+            path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints,
+                                   extra_dirs=dirs)
             plot()
             emit("checkpoint", {"step": trainer.step, "path": str(path)})
         mesh.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
@@ -578,7 +561,11 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                "checkpoint": str(find_latest(out)), "vocab_size": tok.vocab_size, "samples": []}
     say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "
          f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
-    if cfg.samples:
+    # several processes: rank 0 samples from a whole copy (a sharded forward is collective, and ranks that drew
+    # different tokens would run different numbers of them and hang)
+    sampler = gathered_model(model, mesh, lambda: K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)) \
+        if cfg.samples and mesh.distributed else model
+    if cfg.samples and main:
         gen = torch.Generator().manual_seed(cfg.seed)
         n_docs = ds.val.num_docs
         stop = set(tok.stop_ids)
@@ -588,7 +575,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                 doc = [int(t) for t in ds.val.document(i % n_docs)]
                 prompt = doc[: max(1, min(16, len(doc) - 1))]
                 temp = 0.0 if i == 0 else 0.8
-                new = generate(model, prompt, cfg.sample_tokens, temperature=temp, generator=gen, device=device,
+                new = generate(sampler, prompt, cfg.sample_tokens, temperature=temp, generator=gen, device=device,
                                banned=banned, stop=stop)
                 text = {"temperature": temp, "prompt": tok.decode(prompt), "completion": tok.decode(new)}
                 summary["samples"].append(text)
