@@ -303,3 +303,33 @@ def test_sandbox_is_available_where_the_host_has_every_piece():
     if missing or not userns or not os.access("/usr/bin/python3", os.X_OK):
         pytest.skip(f"host lacks a piece: missing {missing}, user namespaces {'on' if userns else 'off'}")
     assert WHY is None, WHY
+
+
+def test_removing_a_store_never_changes_anything_outside_it(tmp_path, monkeypatch):
+    """`layers.rmtree` fixes modes inside the tree it removes (mode-000 dirs the sandboxed code made) but never
+    outside: when another process removed the same stale store first, the error on the store's own path once
+    made it chmod the parent (/tmp) to 0700, locking every sandbox uid out of /tmp."""
+    import stat
+
+    from openk3.agent import layers
+
+    parent = tmp_path / "parent"
+    tree = parent / "openk3-sb-x"
+    (tree / "a" / "b").mkdir(parents=True)
+    (tree / "a" / "b" / "f").write_text("x")
+    (tree / "a" / "b").chmod(0o000)  # made unreadable inside the sandbox: fixed up, then removed
+    parent.chmod(0o755)
+    real_rmdir = os.rmdir
+
+    def racing_rmdir(p, *args, **kwargs):  # the tree's own removal fails as if another process got there first
+        if os.fspath(p) == str(tree):
+            raise FileNotFoundError(2, "No such file or directory", str(tree))
+        return real_rmdir(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", racing_rmdir)
+    layers.rmtree(str(tree))
+    monkeypatch.undo()
+    assert stat.S_IMODE(parent.stat().st_mode) == 0o755
+    assert not (tree / "a").exists()
+    assert layers.inside("/tmp/s", "/tmp/s/u") and layers.inside("/tmp/s", "/tmp/s")
+    assert not layers.inside("/tmp/s", "/tmp") and not layers.inside("/tmp/s", "/tmp/sx")

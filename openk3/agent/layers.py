@@ -39,12 +39,22 @@ def new_id() -> str:
     return secrets.token_hex(6)
 
 
+def inside(root: str, p: str) -> bool:
+    """`p` is `root` or below it (lexically; both absolute or both relative)."""
+    root, p = os.path.normpath(root), os.path.normpath(p)
+    return p == root or p.startswith(root.rstrip(os.sep) + os.sep)
+
+
 def rmtree(path: str) -> None:
     """Remove a tree that sandboxed code wrote: it may hold mode-000 dirs (overlay's work dir, or made so on
-    purpose) and whiteout devices. Never follows a symlink (a chmod through one could hit a host file)."""
+    purpose) and whiteout devices. Never follows a symlink (a chmod through one could hit a host file), and
+    never changes anything outside `path`: an error on `path` itself (another process removing the same stale
+    store first) once made this chmod its parent, /tmp, to 0700, and every sandbox uid was locked out."""
 
     def fix(_func, p, _exc):
         for d in (os.path.dirname(p), p):
+            if not inside(path, d):
+                continue
             try:
                 if stat.S_ISDIR(os.lstat(d).st_mode):
                     os.chmod(d, 0o700)
