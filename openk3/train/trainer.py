@@ -472,6 +472,9 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     extra = {name: str(tok_dir / name) for name in ("tiktoken.model", "tokenizer_config.json")
              if (tok_dir / name).is_file()}
 
+    def empty_copy() -> nn.Module:  # what `gathered_model` fills with the whole tensors on rank 0
+        return K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)
+
     def plot() -> None:
         if main:
             plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
@@ -493,7 +496,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             mesh.barrier()
             save_optimizer(model, opt, staging)
             dirs = {OPTIMIZER_DIR: staging}
-        whole = gathered_model(model, mesh, lambda: K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed))
+        whole = gathered_model(model, mesh, empty_copy)
         if main:
             path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints,
                                    extra_dirs=dirs)
@@ -563,8 +566,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
          f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
     # several processes: rank 0 samples from a whole copy (a sharded forward is collective, and ranks that drew
     # different tokens would run different numbers of them and hang)
-    sampler = gathered_model(model, mesh, lambda: K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)) \
-        if cfg.samples and mesh.distributed else model
+    sampler = gathered_model(model, mesh, empty_copy) if cfg.samples and mesh.distributed else model
     if cfg.samples and main:
         gen = torch.Generator().manual_seed(cfg.seed)
         n_docs = ds.val.num_docs
