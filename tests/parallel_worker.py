@@ -3,12 +3,14 @@
     python tests/parallel_worker.py OUT.pt [steps]                                      # one process
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT] [N]
 
-LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2) or "replicate" (parallel.dp_replicate = world size:
-HSDP with shard groups of one). N: micro-batches per step on each rank (grad_accum, default 1).
+LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2), "replicate" (parallel.dp_replicate = world size:
+HSDP with shard groups of one) or "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
+spread over the ranks, the rest FSDP2). N: micro-batches per step on each rank (grad_accum, default 1).
 
 nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
 packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
-writes {"losses", "grad_norms", "params" (full tensors), "biases" (QB), "world"} to OUT.pt.
+writes {"losses", "grad_norms", "params" (full tensors), "biases" (QB), "world", "dispatched" (MoE layer calls
+through the expert-parallel dispatcher), "local_experts" (per MoE layer)} to OUT.pt.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 from openk3.common import setup_cpu
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
+from openk3.model.moe import SparseMoE
+from openk3.parallel.ep import apply_ep
 from openk3.parallel.fsdp import apply_fsdp, full_tensor
 from openk3.parallel.mesh import ParallelConfig, init_mesh, world_from_env
 from openk3.train.config import TrainConfig
@@ -48,11 +52,13 @@ def batches(steps: int, vocab: int) -> list[dict]:
 def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 1) -> None:
     setup_cpu(1)
     world, _, _ = world_from_env()
-    degrees = {"dp_shard": world} if layout == "shard" else {"dp_replicate": world}
+    degrees = {"shard": {"dp_shard": world}, "replicate": {"dp_replicate": world},
+               "ep": {"dp_shard": world, "ep": world}}[layout]
     cfg = TrainConfig(model=preset("nano"), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
                       grad_accum=grad_accum, parallel=ParallelConfig(**degrees))
     mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
+    apply_ep(model, mesh)
     apply_fsdp(model, mesh)
     opt = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
@@ -63,12 +69,16 @@ def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 
         rec = trainer.train_step(batch)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
+    moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    dispatched = sum(d.calls for d in {id(m.dispatcher): m.dispatcher for m in moes if m.dispatcher}.values())
+    local_experts = [m.experts.w1.to_local().shape[0] if hasattr(m.experts.w1, "to_local") else m.experts.w1.shape[0]
+                     for m in moes]
     params = {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     trainer.close()
     if mesh.is_main:
-        torch.save({"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world},
-                   out_path)
+        torch.save({"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world,
+                    "dispatched": dispatched, "local_experts": local_experts}, out_path)
     mesh.close()
 
 

@@ -104,9 +104,11 @@ def test_bench_distributed_runs(tmp_path):
 
     out = bench_distributed.main(["--rows", "1", "--seq-len", "32", "--steps", "1", "--warmup", "1",
                                   "--json", str(tmp_path / "d.json")])
-    assert [r["world"] for r in out["runs"]] == [1, 2]
+    assert [(r["world"], r["layout"]) for r in out["runs"]] == [(1, "one process"), (2, "FSDP2"), (2, "FSDP2 + EP")]
     assert out["runs"][1]["tokens_per_step"] == 2 * out["runs"][0]["tokens_per_step"]  # rows are per rank
     assert out["speedup"] > 0 and out["efficiency"] == out["speedup"] / 2
     comm = out["comm_bytes_per_rank_step"]
-    assert comm["fsdp"] > comm["muon"] > 0 and comm["total"] > comm["fsdp"]
+    assert comm["fsdp"] > comm["muon"] > 0 and comm["total"] > comm["fsdp"] and comm["all_to_all"] == 0
+    ep = out["runs"][2]["comm_bytes_per_rank_step"]
+    assert ep["all_to_all"] > 0 and ep["fsdp"] < comm["fsdp"] and ep["muon"] == comm["muon"]
     assert json.loads((tmp_path / "d.json").read_text())["runs"] == out["runs"]

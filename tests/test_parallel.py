@@ -30,10 +30,16 @@ def test_degrees_are_checked_against_the_world_and_the_batch():
         ParallelConfig(dp_shard=2).check(4)
     with pytest.raises(ValueError, match="batch_size 6 is the global batch .* multiple of 4"):
         ParallelConfig(dp_shard=2, dp_replicate=2).check(4, batch_size=6)
-    for name in ("ep", "pp", "cp"):  # refused by name, never ignored
+    for name in ("pp", "cp"):  # refused by name, never ignored
         with pytest.raises(ValueError, match=f"parallel.{name}=2: {name} parallelism is not implemented yet"):
             ParallelConfig(dp_shard=2, **{name: 2}).check(2)
     ParallelConfig(dp_shard=2, dp_replicate=2).check(4, batch_size=8)  # fits
+    ParallelConfig(dp_shard=2, ep=2).check(2, batch_size=8)  # fits: experts over the whole shard group
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide parallel.dp_shard x parallel.cp = 2"):
+        ParallelConfig(dp_shard=2, ep=3).check(2)
+    for layout in ({"dp_shard": 4, "ep": 2}, {"dp_shard": 2, "dp_replicate": 2, "ep": 2}):  # not yet
+        with pytest.raises(ValueError, match="parallel.ep = parallel.dp_shard, parallel.dp_replicate=1"):
+            ParallelConfig(**layout).check(4)
 
 
 def test_one_process_gets_the_null_mesh_whose_collectives_are_identities(monkeypatch):
@@ -121,20 +127,26 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 
 
 @pytest.mark.slow  # three torchrun launches of 2 processes (~6 s each on 2 CPUs)
-@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("shard", 2)])
+@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("shard", 2), ("ep", 1), ("ep", 2)])
 def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout, accum):
-    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2) and FSDP2 with 2 micro-batches per rank on 2 gloo processes,
+    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), FSDP2 with 2 micro-batches per rank, and expert parallelism
+    (ep=2: 16 of the 32 experts per rank, the rest FSDP2; with 1 and 2 micro-batches) on 2 gloo processes,
     nano in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient
     norms, parameters and QB biases equal the single process on the same global batches."""
     got = _run(tmp_path / "w2.pt", 2, layout, accum=accum)
     assert got["world"] == 2 and single["world"] == 1
     assert_same_run(single, got)
+    assert single["dispatched"] == 0 and single["local_experts"] == [32] * 8
+    if layout == "ep":  # each of the 8 MoE layers once per micro-batch and step
+        assert got["dispatched"] == 8 * 3 * accum and got["local_experts"] == [16] * 8
+    else:
+        assert got["dispatched"] == 0
 
 
 # ---- the launch: torchrun -m openk3 train -------------------------------------------------------------
 
 TRAIN = ["--preset", "nano", "--no-progress", "model.vocab_size=512", "data.max_bytes=200000", "seq_len=32",
-         "batch_size=4", "eval_every=0", "save_every=2", "eval_batches=1", "warmup=1", "samples=0"]
+         "batch_size=4", "eval_every=2", "save_every=2", "eval_batches=1", "warmup=1", "samples=0"]
 
 
 def _openk3_train(out: Path, world: int, *args: str) -> None:
@@ -157,19 +169,22 @@ def _losses(out: Path) -> list[float]:
 @pytest.mark.slow  # 3 one-process runs and 2 torchrun launches of nano, ~35 s on 2 CPUs
 def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
-    the same command line as one process: a run started on 2 processes (optimizer state in DCP shards) resumes
-    on 1, and one started on 1 (whole optimizer state) resumes on 2, each ending where the uninterrupted
+    the same command line as one process: a run started on 2 processes with expert parallelism (optimizer state,
+    experts' included, in DCP shards) resumes on 1, and one started on 1 (whole optimizer state) resumes on 2
+    with FSDP2 alone, each ending where the uninterrupted
     one-process run ends (losses, weights); only rank 0 writes (one metrics line per step); a torn DCP staging
-    folder is removed."""
+    folder is removed. Each save follows an evaluation, whose forward leaves the root FSDP unit gathered (naming
+    the optimizer state through the model then failed with a KeyError)."""
     import openk3
 
     one = tmp_path / "one"
     _openk3_train(one, 1, *TRAIN, "--max-steps", "4")
     tok = ["--tokenizer", str(one / "tokenizer")]
     two_then_one, one_then_two = tmp_path / "two-one", tmp_path / "one-two"
-    _openk3_train(two_then_one, 2, *TRAIN, *tok, "--max-steps", "2")
+    # expert parallel on the way out (parallel.ep=2 alone: the 2 processes become dp_shard=2)
+    _openk3_train(two_then_one, 2, *TRAIN, *tok, "--max-steps", "2", "parallel.ep=2")
     state = json.loads((two_then_one / "train_config.json").read_text())
-    assert state["parallel"]["dp_shard"] == 2
+    assert state["parallel"]["dp_shard"] == 2 and state["parallel"]["ep"] == 2
     # the 2-process save: weights whole (release format), optimizer state as DCP shards inside the checkpoint
     step2 = two_then_one / "checkpoints" / "step_000002"
     shards = list((step2 / "optimizer_dcp").glob("*.distcp"))
@@ -212,6 +227,15 @@ def test_dry_run_prints_the_layout_and_starts_nothing(tmp_path, capsys):
     assert not out.exists()
     assert main([*base, "parallel.dp_shard=3"]) == 2  # 8 rows do not divide among 3 ranks
     assert "choose a multiple of 3" in capsys.readouterr().err
+    assert main([*base, "parallel.dp_shard=2", "parallel.ep=2"]) == 0
+    text = capsys.readouterr().out
+    assert "ep 2: each rank holds 16 whole experts of every MoE layer" in text
+    assert "all-to-all of 64-wide rows (the latent width)" in text
+    assert "rank 0: experts 0-15" in text and "rank 1: experts 16-31" in text
+    assert main([*base, "parallel.dp_shard=4", "parallel.ep=2"]) == 2
+    assert "parallel.ep = parallel.dp_shard" in capsys.readouterr().err  # ep < dp_shard: not yet
+    assert main([*base, "batch_size=6", "parallel.dp_shard=3", "parallel.ep=3"]) == 2
+    assert "must divide the model's num_experts=32" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # two torchrun launches of 2 processes
@@ -223,3 +247,34 @@ def test_two_rank_runs_are_bitwise_deterministic(tmp_path):
     assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
     assert all(torch.equal(a["biases"][k], b["biases"][k]) for k in a["biases"])
+
+
+# ---- expert parallelism (parallel.ep) -----------------------------------------------------------------
+
+def test_an_expert_parallel_moe_layer_equals_the_layer_in_one_process(tmp_path):
+    """T2, one layer: nano's LatentMoE with its 32 experts split over 2 gloo ranks (all-to-all of the 64-wide
+    latent rows, dropless) against the undistributed layer on the concatenated tokens: outputs, input
+    gradients and every weight gradient, in float64 and float32, with random (uneven) loads and with every
+    token steered to rank 0's experts, so that rank 1's experts get no rows and still run the backward
+    collectives (zero gradients, not none)."""
+    out = tmp_path / "layer.pt"
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "ep_layer_worker.py"), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = torch.load(out)
+    assert len(ranks) == 2
+    rows = {name: [r[name].pop("rows_received") for r in ranks] for name in ranks[0]}
+    assert all(sum(r) == 2 * 13 * 4 for r in rows.values()), rows  # 2 ranks x 13 tokens x top-4, none dropped
+    assert rows["torch.float64/steered"] == rows["torch.float32/steered"] == [2 * 13 * 4, 0]
+    assert any(r[0] != r[1] for name, r in rows.items() if "random" in name), rows  # uneven loads
+    for rank, results in enumerate(ranks):
+        assert set(results) == {"torch.float64/random", "torch.float64/steered", "torch.float32/random",
+                                "torch.float32/steered"}
+        for name, errs in results.items():
+            tol = 1e-12 if "float64" in name else 2e-5
+            assert {"out", "dx", "gate.weight", "experts.w1", "experts.w2", "routed_expert_down_proj.weight",
+                    "shared_experts.down_proj.weight"} <= set(errs)
+            assert max(errs.values()) <= tol, (rank, name, errs)

@@ -109,8 +109,15 @@ def build_config(args: argparse.Namespace):
         # resumes on any world size and `torchrun -m openk3 train` needs no override; degrees that fit this
         # world (an HSDP layout in a --config file) are kept
         changes["parallel"] = ParallelConfig(dp_shard=world)
-    cfg = dataclasses.replace(cfg, **changes)
-    return apply_overrides(cfg, args.overrides)
+    cfg = apply_overrides(dataclasses.replace(cfg, **changes), args.overrides)
+    par = cfg.parallel
+    others = par.dp_replicate * par.pp * par.cp
+    if par.world_size != world and world % others == 0 and \
+            not any(o.split("=", 1)[0].strip() == "parallel.dp_shard" for o in args.overrides):
+        # other degrees given without dp_shard (`parallel.ep=2` under a 2-process torchrun): the processes
+        # left over are the shards
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(par, dp_shard=world // others))
+    return cfg
 
 
 def main(args: argparse.Namespace) -> int:

@@ -108,6 +108,10 @@ class SparseMoE(nn.Module):
         self.glu = glu
         self.act = (cfg.hidden_act, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)  # glu's recipe
         self.record_routing = False  # when True, forward keeps (scores_NE, idx_NK) in `last_routing` (training)
+        # Set from outside by expert parallelism (`openk3/parallel/ep.py`): a callable
+        # (z_NC, weights_NK, idx_NK, experts, glu) -> r_NC that sends the latent rows to the ranks holding
+        # their experts and back. None: every expert is here.
+        self.dispatcher = None
         self.gate = Router(D, cfg.num_experts)
         if cfg.use_latent_moe:
             self.routed_expert_down_proj = nn.Linear(D, C, bias=False)
@@ -150,7 +154,9 @@ class SparseMoE(nn.Module):
         if self.record_routing:
             self.last_routing = (scores_NE.detach(), idx_NK.detach())
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
-        if hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant)
+        if self.dispatcher is not None:  # expert parallel: the all-to-all moves latent-wide rows (C, not D)
+            r_NC = self.dispatcher(z_NC, w_NK, idx_NK, self.experts, self.glu)
+        elif hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant)
             r_NC = self._packed_experts(z_NC, w_NK, idx_NK, impl)
         else:
             ex = self.experts

@@ -147,9 +147,19 @@ def grouped_matmul(x_MC: torch.Tensor, w_EOC: torch.Tensor, counts: list[int], o
         if n:
             outs.append(x_MC[start:start + n] @ w_EOC[e].t())
         start += n
-    if not outs:
-        return x_MC.new_zeros(0, w_EOC.shape[1])
+    if not outs:  # no rows: still a function of x and w (zero gradients, not none: an expert-parallel rank
+        # whose experts got no tokens must run the same backward collectives as the others)
+        return x_MC @ w_EOC[0].t()
     return torch.cat(outs)
+
+
+def expert_rows(xs_MC: torch.Tensor, counts: list[int], offs: torch.Tensor, w1_EIC: torch.Tensor,
+                w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu) -> torch.Tensor:
+    """The GLU MLP of each expert on its rows: `xs_MC` sorted by expert (`counts[e]` rows of expert e,
+    `offs` their cumulative ends, int32) -> [M, C] unweighted outputs in the same order. The compute
+    core of `experts_grouped`, shared with the expert-parallel dispatcher (`openk3/parallel/ep.py`)."""
+    h_MI = glu(grouped_matmul(xs_MC, w1_EIC, counts, offs), grouped_matmul(xs_MC, w3_EIC, counts, offs))
+    return grouped_matmul(h_MI, w2_ECI, counts, offs)
 
 
 def experts_grouped(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
@@ -164,9 +174,7 @@ def experts_grouped(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.
     counts_E = torch.bincount(flat_M, minlength=E)
     offs = counts_E.cumsum(0).to(torch.int32)
     counts = counts_E.tolist()
-    xs_MC = x_NC[tok_M]
-    h_MI = glu(grouped_matmul(xs_MC, w1_EIC, counts, offs), grouped_matmul(xs_MC, w3_EIC, counts, offs))
-    y_MC = grouped_matmul(h_MI, w2_ECI, counts, offs)
+    y_MC = expert_rows(x_NC[tok_M], counts, offs, w1_EIC, w3_EIC, w2_ECI, glu)
     yw_MC = upcast(y_MC) * weights_NK.reshape(-1)[order_M, None]
     out_NC = torch.zeros(x_NC.shape, dtype=yw_MC.dtype, device=x_NC.device).index_add(0, tok_M, yw_MC)
     return out_NC.to(x_NC.dtype)

@@ -29,6 +29,9 @@ STAGING_PREFIX = ".dcp-"
 def _state(model: nn.Module, opt) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from openk3.parallel.fsdp import reshard
+
+    reshard(model)  # the optimizer holds the sharded parameters; DCP maps them to names through the model
     return {name: get_optimizer_state_dict(model, o) for name, o in (("muon", opt.muon), ("adamw", opt.adamw))
             if o is not None}
 

@@ -39,11 +39,25 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = Tr
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor",
                             category=UserWarning)
     device_mesh = mesh.fsdp_mesh()
+    # parameters already distributed (routed experts under expert parallelism, `parallel/ep.py`) stay as they
+    # are: each lives whole on one rank, nothing to gather
+    placed = {p for p in model.parameters() if hasattr(p, "device_mesh")}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=device_mesh, reshard_after_forward=reshard_after_forward,
+                    ignored_params=placed or None)
     # the root last: it owns what no layer does; it is gathered for the whole step anyway
-    fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=device_mesh, reshard_after_forward=False, ignored_params=placed or None)
     return model
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP unit of `model` back in its sharded state. The root is not resharded after its forward
+    (it is needed again at once in training), so after a forward without backward (an evaluation) its
+    parameters are still the gathered ones, not the sharded DTensors the optimizer holds; naming the
+    optimizer's state through the model (DCP) needs the sharded ones. A no-op on an unsharded model."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "unshard"):
+            module.reshard()
 
 
 def gathered_model(model: nn.Module, mesh: Mesh, build) -> nn.Module | None:
@@ -52,6 +66,7 @@ def gathered_model(model: nn.Module, mesh: Mesh, build) -> nn.Module | None:
     empty model of the same config. Rank 0 then holds the model twice while saving."""
     if not mesh.distributed:
         return model
+    reshard(model)  # named_parameters() then gives every rank the same DTensors
     full = {n: full_tensor(p).detach() for n, p in model.named_parameters()}
     if not mesh.is_main:
         return None

@@ -52,8 +52,22 @@ def describe(cfg) -> str:
                  f"activations {_mib(mem['activations'])}, logits {_mib(mem['logits'])}; total {_mib(mem['total'])}")
     experts = model.num_experts
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_hidden_layers))
-    if experts:
-        lines.append(f"  experts: {moe_layers} MoE layers x {experts} routed experts; ep {par.ep}: every rank holds "
+    if experts and par.ep > 1:
+        from openk3.parallel.ep import check_ep, expert_map
+
+        check_ep(experts, par.ep)
+        width, k = model.expert_in_dim, model.num_experts_per_token
+        # dispatch + combine forward, the same two backward; on average 1/ep of the rows stay on their rank
+        row_bytes = width * (2 if cfg.dtype == "bf16" else 4)
+        a2a = 4 * moe_layers * rows * cfg.seq_len * k * row_bytes * (par.ep - 1) / par.ep
+        lines.append(f"  experts: {moe_layers} MoE layers x {experts} routed experts; ep {par.ep}: each rank holds "
+                     f"{experts // par.ep} whole experts of every MoE layer (not FSDP-sharded); tokens reach them by "
+                     f"all-to-all of {width}-wide rows ({'the latent' if model.use_latent_moe else 'the hidden'} "
+                     f"width), about {_mib(a2a)} sent per rank and step under uniform routing")
+        for r, (first, last) in enumerate(expert_map(experts, par.ep)[:8]):
+            lines.append(f"    rank {r}: experts {first}-{last}")
+    elif experts:
+        lines.append(f"  experts: {moe_layers} MoE layers x {experts} routed experts; ep 1: every rank holds "
                      f"all {experts} of each layer, their rows sharded over the {par.dp_shard} shard ranks "
-                     "(expert parallelism is not implemented yet)")
+                     f"(parallel.ep={par.dp_shard} keeps whole experts per rank instead)")
     return "\n".join(lines)

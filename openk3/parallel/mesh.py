@@ -8,8 +8,10 @@
 
 Degrees (background B.2): dp_replicate x dp_shard x pp x cp must equal the world size; ep is carved from
 dp_shard x cp (it adds no ranks) and must divide it. This version runs data parallelism: `dp_shard` (FSDP2,
-`parallel/fsdp.py`) and `dp_replicate` (HSDP: replicas of a sharded group). Expert, pipeline and context
-parallelism are refused with a message that says so, never silently ignored. Without torchrun (no
+`parallel/fsdp.py`) and `dp_replicate` (HSDP: replicas of a sharded group), and expert parallelism over the
+whole dp_shard group (`ep` = dp_shard without dp_replicate, `parallel/ep.py`). Pipeline and context
+parallelism, and the other ep layouts, are refused with a message that says so, never silently ignored.
+Without torchrun (no
 WORLD_SIZE, or 1) every degree must be 1 and the mesh is the null mesh: world size 1, no process group,
 every collective the identity, so one training loop serves both.
 
@@ -28,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 #: Degrees this version implements (> 1); the others are refused with NOT_YET.
-IMPLEMENTED = ("dp_shard", "dp_replicate")
-NOT_YET = ("ep", "pp", "cp")
+IMPLEMENTED = ("dp_shard", "dp_replicate", "ep")
+NOT_YET = ("pp", "cp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,7 +40,7 @@ class ParallelConfig:
 
     dp_shard: int = 1  # FSDP2: parameters, gradients and optimizer state sharded over these ranks
     dp_replicate: int = 1  # replicas of the sharded group (HSDP); gradients all-reduced across them
-    ep: int = 1  # expert parallel, carved from dp_shard x cp (not yet)
+    ep: int = 1  # expert parallel, carved from dp_shard x cp (this version: ep = dp_shard)
     pp: int = 1  # pipeline stages cut at AttnRes block boundaries (not yet)
     cp: int = 1  # context parallel for KDA and MLA (not yet)
 
@@ -62,10 +64,16 @@ class ParallelConfig:
         for name in NOT_YET:
             if getattr(self, name) > 1:
                 raise ValueError(f"parallel.{name}={getattr(self, name)}: {name} parallelism is not implemented "
-                                 f"yet (issue 19); this version runs parallel.dp_shard and parallel.dp_replicate")
+                                 f"yet (issue 19); this version runs parallel.dp_shard, parallel.dp_replicate "
+                                 f"and parallel.ep")
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard x parallel.cp = "
                              f"{self.dp_shard * self.cp} (experts are spread over the data-sharding ranks)")
+        if self.ep > 1 and (self.ep != self.dp_shard or self.dp_replicate > 1):
+            raise ValueError(f"parallel.ep={self.ep} with dp_shard {self.dp_shard} and dp_replicate "
+                             f"{self.dp_replicate}: this version runs expert parallelism over the whole dp_shard "
+                             f"group without replicas (parallel.ep = parallel.dp_shard, parallel.dp_replicate=1); "
+                             f"experts FSDP-sharded within an expert group (ep < dp_shard) are not implemented yet")
         if self.world_size != world_size:
             what = ("run it under torchrun with that many processes, e.g. `torchrun --standalone "
                     f"--nproc_per_node {self.world_size} -m openk3 train ...`" if world_size == 1 else
@@ -101,6 +109,12 @@ class Mesh:
         """This data-parallel rank's rows of a global batch of `batch_size` rows."""
         per = batch_size // self.dp_size
         return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
+
+    def ep_mesh(self):
+        """The DeviceMesh the routed experts are spread over (ep = dp_shard in this version: the same ranks,
+        so expert DTensors and FSDP's share one mesh)."""
+        assert self.cfg.ep == self.cfg.dp_shard and self.cfg.dp_replicate == 1, self.cfg
+        return self.device_mesh["dp_shard"]
 
     def fsdp_mesh(self):
         """The DeviceMesh FSDP2 shards over: 1-D (dp_shard), or 2-D (dp_replicate, dp_shard) for HSDP."""

@@ -188,6 +188,12 @@ def from_blocks(b: torch.Tensor, heads: int, axis: int) -> torch.Tensor:
     return c.reshape(*c.shape[:-2], c.shape[-2] * c.shape[-1])
 
 
+def whole_matrices_local(p: torch.Tensor) -> bool:
+    """A DTensor of stacked matrices [E, rows, cols] whose every placement is Replicate or Shard(0): each rank
+    holds whole matrices (experts under FSDP or expert parallelism), so Muon needs no gathering (B.5)."""
+    return p.ndim == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements)
+
+
 def momentum_direction(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float, nesterov: bool) -> torch.Tensor:
     """buf <- momentum * buf + grad (in place, fp32); returns grad + momentum * buf (Nesterov) or buf."""
     g = grad.float()
@@ -229,7 +235,8 @@ class Muon(torch.optim.Optimizer):
     Sharded parameters (FSDP2 DTensors, `openk3.parallel`): the momentum stays sharded (elementwise), the
     direction is all-gathered, every rank orthogonalises the whole matrix (the same deterministic result on
     each) and keeps its own rows: Moonlight's gather-everywhere, the background's v1 (B.5), exactly the
-    single-process update.
+    single-process update. Stacked experts split by whole matrices (Shard(0): FSDP2 or expert parallelism)
+    are orthogonalised where they are, with no communication.
     """
 
     def __init__(self, params, *, lr: float = 2e-4, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -257,17 +264,26 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
                 u = momentum_direction(p.grad, state["momentum_buffer"], momentum=group["momentum"],
                                        nesterov=group["nesterov"])
-                if hasattr(u, "full_tensor"):  # a DTensor shard: orthogonalise the whole matrix
+                local = hasattr(u, "full_tensor") and whole_matrices_local(p)
+                if local:  # stacked experts split between ranks by whole matrices: orthogonalise them here
+                    u = u.to_local()
+                elif hasattr(u, "full_tensor"):  # a DTensor shard: orthogonalise the whole matrix
                     u = u.full_tensor()
                 blocks = to_blocks(u, heads, axis)
-                buckets.setdefault((tuple(blocks.shape[-2:]), p.device), []).append((p, blocks))
+                buckets.setdefault((tuple(blocks.shape[-2:]), p.device), []).append((p, blocks, u.shape, local))
             for ((r, c), device), items in buckets.items():
-                flat = torch.cat([b.reshape(-1, r, c) for _, b in items])
+                flat = torch.cat([b.reshape(-1, r, c) for _, b, _, _ in items])
                 ns_dtype = _resolve_ns_dtype(group["ns_dtype"], device)
                 o = newton_schulz(flat, group["ns_steps"], dtype=ns_dtype).float() * rms_scale(r, c)
-                for (p, blocks), o_p in zip(items, o.split([b[..., 0, 0].numel() for _, b in items])):
-                    upd = from_blocks(o_p.reshape(blocks.shape), heads, axis).reshape(p.shape)
-                    if hasattr(p, "device_mesh"):  # keep this rank's part (no communication)
+                for (p, blocks, shape, local), o_p in zip(items, o.split([b[..., 0, 0].numel()
+                                                                          for _, b, _, _ in items])):
+                    upd = from_blocks(o_p.reshape(blocks.shape), heads, axis).reshape(shape)
+                    if local:
+                        from torch.distributed.tensor import DTensor
+
+                        upd = DTensor.from_local(upd, p.device_mesh, p.placements, run_check=False,
+                                                 shape=p.shape, stride=p.stride())
+                    elif hasattr(p, "device_mesh"):  # keep this rank's part (no communication)
                         from torch.distributed.tensor import distribute_tensor
 
                         upd = distribute_tensor(upd, p.device_mesh, p.placements, src_data_rank=None)

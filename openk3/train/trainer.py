@@ -391,6 +391,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     from openk3.data.loader import PackedLoader
     from openk3.data.shards import build_dataset
     from openk3.model.model import K3ForCausalLM
+    from openk3.parallel.ep import apply_ep
     from openk3.parallel.fsdp import apply_fsdp, gathered_model
 
     main = mesh.is_main
@@ -448,13 +449,14 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    apply_fsdp(model, mesh)  # sharded before the optimizer is built on its parameters; a no-op in one process
+    apply_ep(model, mesh)  # routed experts spread over the ep ranks (parallel.ep > 1), then FSDP2 for the rest:
+    apply_fsdp(model, mesh)  # sharded before the optimizer is built on its parameters; no-ops in one process
     opt = build_optimizer(model, cfg.optim)
     schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
                           min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
     trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
     ranks = f", {mesh.world_size} processes (dp_replicate {cfg.parallel.dp_replicate} x dp_shard " \
-            f"{cfg.parallel.dp_shard})" if mesh.distributed else ""
+            f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep})" if mesh.distributed else ""
     say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
         f"(train), {threads} thread(s){ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
