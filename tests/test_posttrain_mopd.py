@@ -185,6 +185,9 @@ def test_the_mopd_gradient_descends_the_full_vocabulary_reverse_kl():
     batch = make_batch(records)
     ids, mask = batch["ids_BT"], batch["mask_BT"]
     teacher_BT, _ = teacher_logprobs(records, ids, {"general/low": teacher})
+    # scored in chunks of rows (the full profile's memory bound): the same log-probs
+    chunked, _ = teacher_logprobs(records, ids, {"general/low": teacher}, micro_tokens=3 * ids.shape[1])
+    assert torch.allclose(chunked, teacher_BT, atol=1e-6) and teacher_BT[mask].abs().min() > 0
     with torch.no_grad():
         teacher_all = torch.log_softmax(teacher(ids)[:, :-1].float(), -1)
 

@@ -402,3 +402,55 @@ def test_the_command_runs_end_to_end(base, tmp_path, capsys):
             assert torch.equal(b, start.get_buffer(n))
     assert command.main(args) == 0
     assert "nothing to do" in capsys.readouterr().out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("which", ["kimi", "grpo", "mopd"])
+def test_micro_batched_policy_backward_equals_the_whole_batch(which):
+    """`policy_backward(micro_tokens=...)` (the full profile's memory bound) gives the whole-batch loss, stats,
+    log-probs and parameter gradients, in float64, for the three losses that couple rows (group baselines,
+    a batch-wide normaliser), with rows of odd, uneven lengths cut into chunks trimmed to their last target."""
+    from openk3.posttrain import losses
+    from openk3.posttrain.rl import compute_loss, policy_backward, row_chunks
+
+    model = tiny_model(3).double().train()
+    g = torch.Generator().manual_seed(5)
+    B, T = 6, 37
+    ids = torch.randint(0, 256, (B, T), generator=g)
+    lengths = [37, 11, 23, 29, 5, 17]
+    mask = torch.zeros(B, T - 1, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        mask[b, 2:n - 1] = True
+    behaviour = torch.where(mask, -torch.rand(B, T - 1, generator=g, dtype=torch.float64) * 3, 0).float()
+    teacher = torch.where(mask, -torch.rand(B, T - 1, generator=g, dtype=torch.float64) * 3, 0).float()
+    batch = {"ids_BT": ids, "mask_BT": mask, "behaviour_BT": behaviour,
+             "rewards_B": torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])}
+    if which == "mopd":
+        def loss_fn(lp):
+            return losses.mopd_loss(lp, behaviour, teacher, mask)
+    else:
+        cfg = RLConfig(loss=which, group_size=3)
+
+        def loss_fn(lp):
+            return compute_loss(cfg, lp, batch)
+    whole = policy_backward(model, ids, mask, loss_fn)
+    g_whole = _grads(model)
+    model.zero_grad()
+    chunks = row_chunks(mask, 60)
+    assert len(chunks) >= 4 and [c[:2] for c in chunks][0][0] == 0 and chunks[-1][1] == B
+    assert all((b - a) * n <= 60 or b - a == 1 for a, b, n in chunks) and any(n < T for _, _, n in chunks)
+    micro = policy_backward(model, ids, mask, loss_fn, micro_tokens=60)
+    g_micro = _grads(model)
+    assert abs(float(whole[0]) - float(micro[0])) <= 1e-12 * max(1.0, abs(float(whole[0])))
+    assert torch.allclose(torch.where(mask, whole[2], 0), torch.where(mask, micro[2], 0), atol=1e-6)  # fp32 logp
+    assert torch.allclose(torch.where(mask, whole[3], 0), torch.where(mask, micro[3], 0), atol=1e-5)
+    assert set(g_whole) == set(g_micro) and len(g_whole) > 10
+    worst = max(((g_whole[k] - g_micro[k]).abs().max() / g_whole[k].abs().max().clamp(min=1e-30)).item()
+                for k in g_whole)
+    assert worst <= 1e-5, worst  # the log-probs pass through float32 (token_logprobs), as in the whole batch
+    assert max(v.abs().max().item() for v in g_whole.values()) > 0
+    with pytest.raises(ValueError, match="micro_tokens must be an integer >= 2 or None"):
+        RLConfig(micro_tokens=1)

@@ -51,7 +51,7 @@ from openk3.chat import THINKING_EFFORTS
 from openk3.fsutil import read_json
 from openk3.posttrain import losses
 from openk3.posttrain.records import DOMAINS, SPLITS
-from openk3.posttrain.rl import make_batch, masked_mean, token_logprobs
+from openk3.posttrain.rl import make_batch, masked_mean, policy_backward, token_logprobs
 from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
 from openk3.posttrain.run import (
     check_router_biases,
@@ -65,7 +65,8 @@ from openk3.posttrain.run import (
 
 CONFIG_FILE = "mopd_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
-RESUMABLE_CHANGES = ("steps", "save_every", "student", "teachers")  # a resume reads its own checkpoint
+RESUMABLE_CHANGES = ("steps", "save_every", "student", "teachers",  # a resume reads its own checkpoint
+                     "micro_tokens")  # the same gradients in other pieces
 #: What a trajectory that hits `think_cap` is rewarded (only alpha mixing reads rewards): a truncation, like
 #: the rollout's other format failures, not RL's over-budget -1 (MOPD has no budgets).
 THINK_CAP_REWARD = 0.0
@@ -134,6 +135,7 @@ class MOPDConfig:
     save_every: int = 10
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    micro_tokens: int | None = None  # forward/backward (and teacher scoring) in row chunks of this many tokens
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -165,6 +167,9 @@ class MOPDConfig:
             raise bad("lr", "> 0")
         if not self.adv_floor >= 0:
             raise bad("adv_floor", ">= 0")
+        if self.micro_tokens is not None and (isinstance(self.micro_tokens, bool)
+                                              or not isinstance(self.micro_tokens, int) or self.micro_tokens < 2):
+            raise bad("micro_tokens", "an integer >= 2 or None")
         if self.alpha and self.group_size < 2:
             raise ValueError(f"mopd alpha={self.alpha!r} mixes an outcome advantage against the group mean: "
                              f"it needs group_size >= 2, got {self.group_size}")
@@ -227,20 +232,24 @@ def load_teachers(teachers: Mapping[str, str], cells: Sequence[str], student_fol
 
 
 @torch.no_grad()
-def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Mapping[str, Callable]
-                     ) -> tuple[torch.Tensor, list[str]]:
+def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Mapping[str, Callable],
+                     micro_tokens: int | None = None) -> tuple[torch.Tensor, list[str]]:
     """log pi_T of every next token [B, T-1] (float32, as `rl.make_batch` aligns targets), each row from the
     teacher of its record's cell (`domain/effort`), and the rows' cells.
 
     A teacher is anything `token_logprobs` can call: ids [b, t] -> logits [b, t, V]. One prefill per teacher
-    over exactly its rows, cut to their longest (right padding never changes earlier positions: causal);
-    positions past a row's end stay 0 (masked by the caller)."""
+    over exactly its rows, cut to their longest (right padding never changes earlier positions: causal), in
+    chunks of at most `micro_tokens` padded tokens when given; positions past a row's end stay 0 (masked by
+    the caller)."""
     cells = [f"{r['domain']}/{r['effort']}" for r in records]
     out = torch.zeros(ids_BT.shape[0], ids_BT.shape[1] - 1, dtype=torch.float32)
     for teacher, rows in losses.route_teachers(cells, teachers).values():
         n = max(len(records[b]["token_ids"]) for b in rows)
-        logp, _ = token_logprobs(teacher, ids_BT[rows, :n])
-        out[rows, :n - 1] = logp.float()
+        per = len(rows) if micro_tokens is None else max(1, micro_tokens // n)
+        for i in range(0, len(rows), per):
+            part = rows[i:i + per]
+            logp, _ = token_logprobs(teacher, ids_BT[part, :n])
+            out[part, :n - 1] = logp.float()
     return out, cells
 
 
@@ -293,7 +302,7 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     t1 = time.perf_counter()
     batch = make_batch(records)
     mask, behaviour = batch["mask_BT"], batch["behaviour_BT"]
-    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers)
+    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers, cfg.micro_tokens)
     t2 = time.perf_counter()
     floored = floor_gaps(teacher, behaviour, cfg.adv_floor)
     rewards = batch["rewards_B"] if cfg.alpha else None
@@ -301,16 +310,18 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     model.train()
     first: dict = {}
     for epoch in range(cfg.ppo_epochs):
-        logp, entropy = token_logprobs(model, batch["ids_BT"])
-        loss, stats = losses.mopd_loss(logp, behaviour, floored, mask, clip=cfg.clip,
-                                       ratio_clip=cfg.ratio_clip if epoch else None, rewards_B=rewards,
-                                       group_size=group, alpha=cfg.alpha)
+        def loss_fn(lp, epoch=epoch):
+            return losses.mopd_loss(lp, behaviour, floored, mask, clip=cfg.clip,
+                                    ratio_clip=cfg.ratio_clip if epoch else None, rewards_B=rewards,
+                                    group_size=group, alpha=cfg.alpha)
+
         opt.zero_grad()
-        loss.backward()
+        loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], mask, loss_fn,
+                                                     micro_tokens=cfg.micro_tokens)
         grad_norm = opt.clip_grad_norm_()
         opt.step()
         if epoch == 0:  # the on-policy pass: what the sampled batch says about the student before any update
-            first = {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "logp": logp.detach(),
+            first = {"loss": float(loss), "grad_norm": float(grad_norm), "logp": logp,
                      "entropy": entropy, "stats": stats}
         last_ratio_clip = stats["ratio_clip_frac"]
     model.eval()

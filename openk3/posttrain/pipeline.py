@@ -64,6 +64,7 @@ class Profile:
     sft_steps: int | None  # None: sft_epochs passes over the data
     sft_epochs: int
     sft_batch: int
+    sft_grad_accum: int  # micro-batches per SFT step (memory: 8 x 8192-token rows at once need ~23 GB on nano)
     sft_seq_len: int  # rows of general-only SFT
     agentic_seq_len: int  # rows when agent / coding records (0.9-2.8k BPE tokens: tools are declared) are in
     sft_lr: float
@@ -86,47 +87,58 @@ class Profile:
     agentic_max_model_len: int  # the same with agent / coding prompts (longer than nano's 4,096 positions)
     merge_method: str
     merge_density: float | None
+    micro_tokens: int | None  # RL / MOPD trainer passes and teacher scoring in row chunks of this many tokens
+    save_every: int | None  # RL / MOPD checkpoints every this many steps (None: at the end only)
 
 
 PROFILES = {
     # tests: seconds per stage; general prompts are 360-510 byte tokens, so 600 leaves ~100 generated ones
     "tiny": Profile(name="tiny", vocab_size=2048, layers=4,
                     general_problems=2, agentic_problems=1, levels=(1,),
-                    sft_steps=2, sft_epochs=1, sft_batch=2, sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
+                    sft_steps=2, sft_epochs=1, sft_batch=2, sft_grad_accum=1,
+                    sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
                     sft_overflow="truncate",
                     rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5,
                     mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
                     response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
-                    merge_method="ties", merge_density=0.5),
+                    merge_method="ties", merge_density=0.5,
+                    micro_tokens=None, save_every=None),
     # one CPU core, under 12 minutes for all three domains (9m55s measured; docs/posttraining.md). Its response
     # cap (64) is below most agent / coding reference turns (p90 401 / 278 tokens: file writes), so those turns
-    # end as format failures: smoke checks the mechanics; with a cap of 1024 the eval alone took ~11 min. SFT and eval
-    # carry most of it: the effort ordering comes from the three verbosities of the SFT traces. nano is cut to
+    # end as format failures: smoke checks the mechanics; with a cap of 1024 the eval alone took ~11 min. SFT and
+    # eval carry most of it: the effort ordering comes from the three verbosities of the SFT traces. nano is cut to
     # 4 layers: at 9 the same minutes of SFT learn nothing usable. RL and MOPD take a few steps, so the curves
     # exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its traces, and
     # where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34 think tokens
     # sampled, 80 < 87 < 158 greedy)
     "smoke": Profile(name="smoke", vocab_size=2048, layers=4,
                      general_problems=48, agentic_problems=3, levels=(1,),
-                     sft_steps=None, sft_epochs=5, sft_batch=1, sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
+                     sft_steps=None, sft_epochs=5, sft_batch=1, sft_grad_accum=1,
+                     sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
                      sft_overflow="truncate",
                      rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
                      response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
-                     merge_method="ties", merge_density=0.5),
-    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down;
-    # the response cap covers the longest reference turn (a coding file write, ~1,040 tokens)
+                     merge_method="ties", merge_density=0.5,
+                     micro_tokens=None, save_every=None),
+    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down to
+    # ~12 hours on one core (measured: SFT ~1 h at 1.1k tokens/s; an RL step of 32 rollouts a few minutes, so
+    # 9 x 20 steps; 100 steps of 64, as first planned, were ~50 h); the response cap covers the longest
+    # reference turn (a coding file write, ~1,040 tokens); SFT rows and RL / MOPD batches go through the
+    # trainer in 8,192-token pieces (8 x 8,192 tokens at once needed 23 GB: killed for memory)
     "full": Profile(name="full", vocab_size=2048, layers=None,
                     general_problems=600, agentic_problems=40, levels=None,
-                    sft_steps=None, sft_epochs=2, sft_batch=8, sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
+                    sft_steps=None, sft_epochs=2, sft_batch=8, sft_grad_accum=8,
+                    sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
                     sft_overflow="drop",
-                    rl_steps=100, rl_prompts=8, rl_group=8, rl_lr=1e-5,
-                    mopd_steps=200, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
-                    eval_n=64, eval_samples=2, eval_temperature=1.0, eval_think_cap=None,
+                    rl_steps=20, rl_prompts=4, rl_group=8, rl_lr=1e-5,
+                    mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
+                    eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
                     response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
-                    merge_method="ties", merge_density=0.5),
+                    merge_method="ties", merge_density=0.5,
+                    micro_tokens=8192, save_every=5),
 }
 
 
@@ -345,7 +357,7 @@ class Pipeline:
 
         p = self.profile
         cfg = SFTConfig(base=str(self.base_folder()), data=(str(self.out / "data" / "sft_train.jsonl"),),
-                        optim=OptimConfig(lr=p.sft_lr), batch_size=p.sft_batch,
+                        optim=OptimConfig(lr=p.sft_lr), batch_size=p.sft_batch, grad_accum=p.sft_grad_accum,
                         seq_len=p.sft_seq_len if self.domains == ("general",) else p.agentic_seq_len,
                         epochs=p.sft_epochs, max_steps=p.sft_steps, overflow=p.sft_overflow, seed=self.seed,
                         save_every=0, threads=self.threads)
@@ -367,8 +379,8 @@ class Pipeline:
         p = self.profile
         cfg = RLConfig(model=str(start), domain=domain, effort=effort, steps=p.rl_steps, prompts_per_step=p.rl_prompts,
                        group_size=p.rl_group, lr=p.rl_lr, budget_from_effort=previous, response_cap=p.response_cap,
-                       max_turns=p.max_turns, seed=self.seed, save_every=p.rl_steps,
-                       max_model_len=self.context((domain,)))
+                       max_turns=p.max_turns, seed=self.seed, save_every=p.save_every or p.rl_steps,
+                       max_model_len=self.context((domain,)), micro_tokens=p.micro_tokens)
         last = rl(cfg, teacher_dir(self.out, cell))
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reward", "over_budget_rate", "think_mean")}}
 
@@ -384,7 +396,8 @@ class Pipeline:
                          cells=tuple(cells(self.domains)),
                          steps=p.mopd_steps, prompts_per_step=p.mopd_prompts, lr=p.mopd_lr,
                          response_cap=p.response_cap, think_cap=p.mopd_think_cap, seed=self.seed,
-                         max_turns=p.max_turns, save_every=p.mopd_steps, max_model_len=self.context(self.domains))
+                         max_turns=p.max_turns, save_every=p.save_every or p.mopd_steps,
+                         max_model_len=self.context(self.domains), micro_tokens=p.micro_tokens)
         last = distill(cfg, self.out / "student")
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reverse_kl", "clipped_frac", "think_mean")}}
 

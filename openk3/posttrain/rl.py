@@ -58,7 +58,8 @@ from openk3.posttrain.run import (
 LOSSES = ("kimi", "grpo")
 CONFIG_FILE = "rl_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
-RESUMABLE_CHANGES = ("steps", "save_every", "model")  # a resume reads the run's own checkpoint, not --model
+RESUMABLE_CHANGES = ("steps", "save_every", "model",  # a resume reads the run's own checkpoint, not --model
+                     "micro_tokens")  # the same gradients in other pieces
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +95,7 @@ class RLConfig:
     save_every: int = 10
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    micro_tokens: int | None = None  # the trainer's forward/backward in row chunks of this many tokens (memory)
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -116,6 +118,9 @@ class RLConfig:
                 raise bad(field, "> 0")
         if not 0 < self.anneal_fraction <= 1:
             raise bad("anneal_fraction", "in (0, 1]")
+        if self.micro_tokens is not None and (isinstance(self.micro_tokens, bool)
+                                              or not isinstance(self.micro_tokens, int) or self.micro_tokens < 2):
+            raise bad("micro_tokens", "an integer >= 2 or None")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,6 +168,60 @@ def token_logprobs(model, ids_BT: torch.Tensor, temperature: float = 1.0) -> tup
     with torch.no_grad():
         entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def row_chunks(mask_BT: torch.Tensor, micro_tokens: int | None) -> list[tuple[int, int, int]]:
+    """(first row, end row, positions) of each micro-batch: consecutive rows, at most `micro_tokens` padded
+    tokens each (at least one row), cut to the last position any of its rows trains on (right padding past it
+    changes nothing before it: causal); one chunk of the whole batch when `micro_tokens` is None or it fits."""
+    B, T = mask_BT.shape[0], mask_BT.shape[1] + 1
+    pos = torch.arange(1, T, device=mask_BT.device)
+    need_B = torch.where(mask_BT, pos, 0).amax(-1).add(1).clamp(min=2).tolist()  # ids up to the last target
+    if micro_tokens is None or B * T <= micro_tokens:
+        return [(0, B, T)]
+    out, start = [], 0
+    while start < B:
+        end, n = start + 1, need_B[start]
+        while end < B and (end + 1 - start) * max(n, need_B[end]) <= micro_tokens:
+            n = max(n, need_B[end])
+            end += 1
+        out.append((start, end, n))
+        start = end
+    return out
+
+
+def policy_backward(model, ids_BT: torch.Tensor, mask_BT: torch.Tensor, loss_fn, *, temperature: float = 1.0,
+                    micro_tokens: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+    """Backward of `loss_fn(logp_BT) -> (loss, stats)` through the policy's token log-probs into `model`'s
+    gradients; returns (loss detached, stats, logp_BT detached, entropy_BT).
+
+    Whole batch (`micro_tokens` None, or it fits): one forward with grad. Otherwise in micro-batches of at most
+    `micro_tokens` padded tokens, exactly: a forward without grad gives every log-prob, the loss and its
+    gradient with respect to them (d loss / d logp, [B, T-1]) come from that, then each micro-batch runs
+    forward again with grad and back-propagates its slice of that gradient. The RL and MOPD losses couple
+    rows (group baselines, one normaliser over the batch), so slicing the loss itself would change it; this
+    does not (an extra forward pass costs ~1/3 of a step: the price of not holding every row's activations)."""
+    chunks = row_chunks(mask_BT, micro_tokens)
+    if len(chunks) == 1 and chunks[0][2] == ids_BT.shape[1]:
+        logp, entropy = token_logprobs(model, ids_BT, temperature)
+        loss, stats = loss_fn(logp)
+        loss.backward()
+        return loss.detach(), stats, logp.detach(), entropy
+    B, T1 = mask_BT.shape
+    logp = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
+    entropy = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
+    with torch.no_grad():
+        for a, b, n in chunks:
+            lp, ent = token_logprobs(model, ids_BT[a:b, :n], temperature)
+            logp[a:b, :n - 1], entropy[a:b, :n - 1] = lp.float(), ent.float()
+    leaf = logp.clone().requires_grad_()
+    loss, stats = loss_fn(leaf)
+    loss.backward()
+    grad = leaf.grad
+    for a, b, n in chunks:
+        lp, _ = token_logprobs(model, ids_BT[a:b, :n], temperature)
+        lp.backward(grad[a:b, :n - 1].to(lp.dtype))
+    return loss.detach(), stats, logp, entropy
 
 
 def masked_mean(x: torch.Tensor, m: torch.Tensor) -> float:
@@ -216,17 +275,17 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
     t1 = time.perf_counter()
     batch = make_batch(records)
     model.train()
-    logp, entropy = token_logprobs(model, batch["ids_BT"], cfg.temperature)
-    loss, stats = compute_loss(cfg, logp, batch)
     opt.zero_grad()
-    loss.backward()
+    loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], batch["mask_BT"],
+                                                 lambda lp: compute_loss(cfg, lp, batch),
+                                                 temperature=cfg.temperature, micro_tokens=cfg.micro_tokens)
     grad_norm = opt.clip_grad_norm_()
     opt.step()
     model.eval()
     mask = batch["mask_BT"]
-    metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss.detach()),
+    metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss),
                "entropy": masked_mean(entropy, mask),
-               "mismatch_kl": masked_mean(batch["behaviour_BT"] - logp.detach(), mask),
+               "mismatch_kl": masked_mean(batch["behaviour_BT"] - logp, mask),
                "grad_norm": float(grad_norm), "lr": cfg.lr,
                **{f"loss_{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
                "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1}

@@ -51,7 +51,7 @@ from openk3.train.optim import OptimConfig
 # steps compute; `max_steps`/`epochs` lengthen or shorten the run and recompute the LR schedule's length).
 SFT_RESUME_FREE = frozenset({
     "max_steps", "epochs", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "threads",
-    "device", "peak_flops",
+    "device", "peak_flops", "grad_accum",
 })
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
@@ -64,6 +64,7 @@ class SFTConfig:
     val_data: tuple[str, ...] = ()  # JSONL files scored at each eval; empty: no evaluation
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
     batch_size: int = 8
+    grad_accum: int = 1  # micro-batches per step (batch_size / grad_accum rows at a time: memory, same steps)
     seq_len: int = 1024
     epochs: int = 2  # background §3.4: 2 epochs; used when max_steps is None
     max_steps: int | None = None
@@ -87,9 +88,12 @@ class SFTConfig:
     peak_flops: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_size", "log_every", "epochs"):
+        for name in ("batch_size", "log_every", "epochs", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size {self.batch_size} must divide into grad_accum={self.grad_accum} "
+                             "micro-batches")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
         for name in ("eval_every", "save_every"):
@@ -208,7 +212,8 @@ def loop_config(cfg: SFTConfig, model_cfg, max_steps: int):
     from openk3.train.config import TrainConfig
 
     return TrainConfig(model=model_cfg, optim=cfg.optim, preset=None, batch_size=cfg.batch_size,
-                       seq_len=cfg.seq_len, max_steps=max_steps, seed=cfg.seed, dtype=cfg.dtype, device=cfg.device,
+                       grad_accum=cfg.grad_accum, seq_len=cfg.seq_len, max_steps=max_steps, seed=cfg.seed,
+                       dtype=cfg.dtype, device=cfg.device,
                        schedule=cfg.schedule, warmup=cfg.warmup, min_lr_ratio=cfg.min_lr_ratio,
                        decay_frac=cfg.decay_frac, qb_rate=cfg.qb_rate, aux_loss_coef=0.0, qk_clip=cfg.qk_clip,
                        peak_flops=cfg.peak_flops, threads=cfg.threads, samples=0)
