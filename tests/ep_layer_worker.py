@@ -89,6 +89,7 @@ def main(out_path: str) -> None:
     dist.all_gather_object(gathered, results)
     if rank == 0:
         torch.save(gathered, out_path)
+    dist.barrier()  # nobody tears its group down while another still talks
     dist.destroy_process_group()
 
 

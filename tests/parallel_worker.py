@@ -4,8 +4,9 @@
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT] [N]
 
 LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2), "replicate" (parallel.dp_replicate = world size:
-HSDP with shard groups of one) or "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
-spread over the ranks, the rest FSDP2). N: micro-batches per step on each rank (grad_accum, default 1).
+HSDP with shard groups of one), "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
+spread over the ranks, the rest FSDP2) or "pp" (parallel.pp = world size: pipeline stages at AttnRes block
+boundaries, N micro-batches through torch's schedule). N: micro-batches per step on each rank (grad_accum, default 1).
 
 nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
 packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
@@ -53,7 +54,7 @@ def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 
     setup_cpu(1)
     world, _, _ = world_from_env()
     degrees = {"shard": {"dp_shard": world}, "replicate": {"dp_replicate": world},
-               "ep": {"dp_shard": world, "ep": world}}[layout]
+               "ep": {"dp_shard": world, "ep": world}, "pp": {"pp": world}}[layout]
     cfg = TrainConfig(model=preset("nano"), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
                       grad_accum=grad_accum, parallel=ParallelConfig(**degrees))
     mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
@@ -69,6 +70,8 @@ def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 
         rec = trainer.train_step(batch)
         losses.append(rec["loss"])
         norms.append(rec["grad_norm"])
+    if trainer.pipeline is not None:  # rank 0 holds stage 0 only: the others' weights come to it
+        trainer.pipeline.sync(model)
     moes = [m for m in model.modules() if isinstance(m, SparseMoE)]
     dispatched = sum(d.calls for d in {id(m.dispatcher): m.dispatcher for m in moes if m.dispatcher}.values())
     local_experts = [m.experts.w1.to_local().shape[0] if hasattr(m.experts.w1, "to_local") else m.experts.w1.shape[0]
@@ -78,7 +81,9 @@ def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 
     trainer.close()
     if mesh.is_main:
         torch.save({"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world,
-                    "dispatched": dispatched, "local_experts": local_experts}, out_path)
+                    "dispatched": dispatched, "local_experts": local_experts,
+                    "stages": None if trainer.pipeline is None else [list(b) for b in trainer.pipeline.bounds]},
+                   out_path)
     mesh.close()
 
 

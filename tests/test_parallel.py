@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,9 +32,13 @@ def test_degrees_are_checked_against_the_world_and_the_batch():
         ParallelConfig(dp_shard=2).check(4)
     with pytest.raises(ValueError, match="batch_size 6 is the global batch .* multiple of 4"):
         ParallelConfig(dp_shard=2, dp_replicate=2).check(4, batch_size=6)
-    for name in ("pp", "cp"):  # refused by name, never ignored
-        with pytest.raises(ValueError, match=f"parallel.{name}=2: {name} parallelism is not implemented yet"):
-            ParallelConfig(dp_shard=2, **{name: 2}).check(2)
+    with pytest.raises(ValueError, match="parallel.cp=2: cp parallelism is not implemented yet"):  # by name
+        ParallelConfig(dp_shard=2, cp=2).check(4)
+    ParallelConfig(pp=2).check(2, batch_size=4, grad_accum=2)  # fits: pipeline stages alone
+    with pytest.raises(ValueError, match="this version runs pipeline parallelism alone"):
+        ParallelConfig(dp_shard=2, pp=2).check(4)
+    with pytest.raises(ValueError, match=r"parallel.pp_cuts=\[3, 6\]: parallel.pp=2 stages need 1 cut"):
+        ParallelConfig(pp=2, pp_cuts=(3, 6)).check(2)
     ParallelConfig(dp_shard=2, dp_replicate=2).check(4, batch_size=8)  # fits
     ParallelConfig(dp_shard=2, ep=2).check(2, batch_size=8)  # fits: experts over the whole shard group
     with pytest.raises(ValueError, match=r"parallel.ep=3 must divide parallel.dp_shard x parallel.cp = 2"):
@@ -127,10 +133,12 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 
 
 @pytest.mark.slow  # three torchrun launches of 2 processes (~6 s each on 2 CPUs)
-@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("shard", 2), ("ep", 1), ("ep", 2)])
+@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("shard", 2), ("ep", 1), ("ep", 2),
+                                          ("pp", 1), ("pp", 2)])
 def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout, accum):
-    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), FSDP2 with 2 micro-batches per rank, and expert parallelism
-    (ep=2: 16 of the 32 experts per rank, the rest FSDP2; with 1 and 2 micro-batches) on 2 gloo processes,
+    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), FSDP2 with 2 micro-batches per rank, expert parallelism
+    (ep=2: 16 of the 32 experts per rank, the rest FSDP2; with 1 and 2 micro-batches) and pipeline stages (pp=2:
+    layers 0-2 and 3-8, the AttnRes bank crossing; GPipe with 1 micro-batch, 1F1B with 2) on 2 gloo processes,
     nano in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient
     norms, parameters and QB biases equal the single process on the same global batches."""
     got = _run(tmp_path / "w2.pt", 2, layout, accum=accum)
@@ -141,6 +149,7 @@ def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout,
         assert got["dispatched"] == 8 * 3 * accum and got["local_experts"] == [16] * 8
     else:
         assert got["dispatched"] == 0
+    assert got["stages"] == ([[0, 3], [3, 9]] if layout == "pp" else None)
 
 
 # ---- the launch: torchrun -m openk3 train -------------------------------------------------------------
@@ -171,7 +180,7 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
     the same command line as one process: a run started on 2 processes with expert parallelism (optimizer state,
     experts' included, in DCP shards) resumes on 1, and one started on 1 (whole optimizer state) resumes on 2
-    with FSDP2 alone, each ending where the uninterrupted
+    with FSDP2 alone and as 2 pipeline stages (then back on 1), each ending where the uninterrupted
     one-process run ends (losses, weights); only rank 0 writes (one metrics line per step); a torn DCP staging
     folder is removed. Each save follows an evaluation, whose forward leaves the root FSDP unit gathered (naming
     the optimizer state through the model then failed with a KeyError)."""
@@ -194,10 +203,24 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     _openk3_train(two_then_one, 1, "--no-progress", "--max-steps", "4")  # loads the DCP shards in one process
     assert not (two_then_one / "checkpoints" / ".dcp-step_000004").exists()  # removed as a torn save
     _openk3_train(one_then_two, 1, *TRAIN, *tok, "--max-steps", "2")
+    one_then_pp = tmp_path / "one-pp"
+    shutil.copytree(one_then_two, one_then_pp)
     _openk3_train(one_then_two, 2, "--no-progress", "--max-steps", "4")
+    # the same checkpoint resumed as 2 pipeline stages, 2 micro-batches each step (1F1B), saving each step
+    # through DCP; then, as if killed after step 3's save (--max-steps 3 would shorten the LR schedule), the
+    # last step in one process again
+    _openk3_train(one_then_pp, 2, "--no-progress", "--max-steps", "4", "parallel.pp=2", "grad_accum=2",
+                  "save_every=1")
+    assert json.loads((one_then_pp / "train_config.json").read_text())["parallel"]["pp"] == 2
+    assert (one_then_pp / "checkpoints" / "step_000003" / "optimizer_dcp" / ".metadata").is_file()
+    pp_losses = _losses(one_then_pp)
+    shutil.rmtree(one_then_pp / "checkpoints" / "step_000004")
+    (one_then_pp / "checkpoints" / "latest").write_text("step_000003\n")
+    _openk3_train(one_then_pp, 1, "--no-progress", "--max-steps", "4")
+    assert abs(pp_losses[3] - _losses(one_then_pp)[3]) <= 1e-5 * abs(pp_losses[3])  # stage or one process
     ref = _losses(one)
     ref_w = dict(openk3.load(one / "checkpoints" / "step_000004", dtype="float32").named_parameters())
-    for run in (two_then_one, one_then_two):
+    for run in (two_then_one, one_then_two, one_then_pp):
         got = _losses(run)
         assert len(got) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, got, strict=True)), (ref, got)
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -236,6 +259,36 @@ def test_dry_run_prints_the_layout_and_starts_nothing(tmp_path, capsys):
     assert "parallel.ep = parallel.dp_shard" in capsys.readouterr().err  # ep < dp_shard: not yet
     assert main([*base, "batch_size=6", "parallel.dp_shard=3", "parallel.ep=3"]) == 2
     assert "must divide the model's num_experts=32" in capsys.readouterr().err
+    assert main([*base, "parallel.pp=2", "grad_accum=2"]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline: 2 stages cut at AttnRes block boundaries; every stage sees the whole batch of 8 rows in 2 " \
+           "micro-batches of 4 x 64 tokens (1F1B" in text
+    assert "stage 0 (rank 0): layers 0-2 + embedding; sends 2 x [micro-batch, 64, 128]" in text
+    assert "stage 1 (rank 1): layers 3-8 + output mix, norm, head" in text
+    assert main([*base, "parallel.pp=2", "parallel.pp_cuts=[4]"]) == 2  # a mid-block cut
+    assert "layer 4 is inside an AttnRes block (blocks start every 3 layers: 0, 3, 6)" in capsys.readouterr().err
+
+
+def test_pipeline_stages_are_cut_at_attnres_block_boundaries():
+    """T5's layout rules: automatic cuts balance layers over block boundaries only (K3's 93 layers in blocks
+    of 12 give PP8 one block per stage), explicit cuts inside a block are refused by name, and the packed
+    tensor crossing each boundary holds the snapshots so far plus the prefix."""
+    from openk3.config import preset
+    from openk3.parallel.pipeline import bank_rows, stage_bounds
+
+    nano, k3 = preset("nano"), preset("k3")
+    assert stage_bounds(nano, 2) == [(0, 3), (3, 9)] and stage_bounds(nano, 3) == [(0, 3), (3, 6), (6, 9)]
+    assert stage_bounds(k3, 8) == [(i * 12, min(i * 12 + 12, 93)) for i in range(8)]
+    assert stage_bounds(nano, 2, (6,)) == [(0, 6), (6, 9)]
+    assert [bank_rows(k3, 12 * i) for i in range(1, 8)] == [2, 3, 4, 5, 6, 7, 8]
+    with pytest.raises(ValueError, match="layer 4 is inside an AttnRes block"):
+        stage_bounds(nano, 2, (4,))
+    with pytest.raises(ValueError, match="cuts must increase strictly within 1..8"):
+        stage_bounds(nano, 3, (6, 3))
+    with pytest.raises(ValueError, match="parallel.pp=4: the model has only 3 AttnRes blocks"):
+        stage_bounds(nano, 4)
+    plain = dataclasses.replace(nano, attn_res_block_size=None)  # Kimi-Linear: a residual stream, any cut
+    assert stage_bounds(plain, 2, (4,)) == [(0, 4), (4, 9)] and bank_rows(plain, 4) == 1
 
 
 @pytest.mark.slow  # two torchrun launches of 2 processes

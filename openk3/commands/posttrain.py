@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the byte-level tokenizer, unless --base is given)")
     p.add_argument("--out", required=True, help="the run folder (created; a rerun continues it)")
     p.add_argument("--profile", default="smoke",
-                   help=f"stage sizes: {', '.join(PROFILES)} (default smoke: one CPU core, about 12 minutes for "
-                        "--domains general)")
+                   help=f"stage sizes: {', '.join(PROFILES)} (default smoke: one CPU core, 10-12 minutes for all "
+                        "three domains; full: ~12 hours of nano on one core)")
     p.add_argument("--domains", default="general,agent,coding",
                    help="comma-separated domains (default all three: the full report)")
     p.add_argument("--base", default=None,

@@ -11,7 +11,7 @@ sizes (3584 vs 7168). Per layer and step, on this rank's N tokens:
     [r*E/ep, (r+1)*E/ep)), so the rows for each destination rank are contiguous;
  2. all-to-all the per-expert counts (E integers): how many rows each source sends to each of my experts;
     the send and receive splits follow (one host sync per layer);
- 3. all-to-all the rows (the autograd form: its backward is the reverse all-to-all);
+ 3. all-to-all the rows (`_AllToAll`: its backward is the reverse all-to-all);
  4. order the received rows expert-major and run the local experts (`ops.moe.expert_rows`, grouped matmuls);
  5. undo the order and the all-to-all; combine with the routing weights in fp32 at the source, as
     `experts_grouped` does (the latent norm, the up-projection and the shared experts follow, dense).
@@ -52,6 +52,30 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows [sum(send), C] -> [sum(recv), C]: rank r's send[j] rows go to rank j, which receives recv[r] rows from
+    it; the backward is the same exchange reversed. Synchronous (torch.distributed.all_to_all_single): no
+    collective is left pending when the step ends."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty(sum(recv), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        import torch.distributed as dist
+
+        out = g.new_empty(sum(ctx.send), *g.shape[1:])
+        dist.all_to_all_single(out, g.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return out, None, None, None
+
+
 class ExpertDispatcher:
     """`SparseMoE.dispatcher` under expert parallelism: (z_NC, weights_NK, idx_NK, experts, glu) -> r_NC."""
 
@@ -75,8 +99,6 @@ class ExpertDispatcher:
 
     def __call__(self, z_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, experts: nn.Module,
                  glu) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
-
         N, K = idx_NK.shape
         flat_M = idx_NK.reshape(-1)
         order_M = torch.argsort(flat_M, stable=True)
@@ -89,7 +111,7 @@ class ExpertDispatcher:
         self.rows_received += sum(recv_splits)
 
         xs_MC = z_NC[tok_M]  # destination-rank-major, expert-major within
-        recv_RC = wait_tensor(all_to_all_single_autograd(xs_MC, recv_splits, send_splits, self.device_mesh))
+        recv_RC = _AllToAll.apply(xs_MC, send_splits, recv_splits, self.group)
         # received: source-major, then expert within each source -> expert-major (stable: sources in order)
         local_R = torch.repeat_interleave(torch.arange(self.local, device=z_NC.device).repeat(self.ep),
                                           recv_SL.reshape(-1).to(z_NC.device))
@@ -100,8 +122,7 @@ class ExpertDispatcher:
         y_RC = expert_rows(recv_RC[perm_R], counts_L.tolist(), offs, w1, w3, w2, glu)
         inv_R = torch.empty_like(perm_R)
         inv_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
-        back_MC = wait_tensor(all_to_all_single_autograd(y_RC[inv_R].contiguous(), send_splits, recv_splits,
-                                                         self.device_mesh))
+        back_MC = _AllToAll.apply(y_RC[inv_R], recv_splits, send_splits, self.group)
         yw_MC = upcast(back_MC) * weights_NK.reshape(-1)[order_M, None]
         out_NC = torch.zeros(z_NC.shape, dtype=yw_MC.dtype, device=z_NC.device).index_add(0, tok_M, yw_MC)
         return out_NC.to(z_NC.dtype)

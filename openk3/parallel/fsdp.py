@@ -25,8 +25,8 @@ from openk3.parallel.mesh import Mesh
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, *, reshard_after_forward: bool = True) -> nn.Module:
-    """Shard `model` (a `K3ForCausalLM`) in place over `mesh`'s data ranks; a no-op on the null mesh."""
-    if not mesh.distributed:
+    """Shard `model` (a `K3ForCausalLM`) in place over `mesh`'s data ranks; a no-op with one data rank."""
+    if not mesh.data_parallel:
         return model
     import warnings
 
@@ -60,12 +60,16 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
-def gathered_model(model: nn.Module, mesh: Mesh, build) -> nn.Module | None:
+def gathered_model(model: nn.Module, mesh: Mesh, build, pipeline=None) -> nn.Module | None:
     """A plain copy of a sharded model on rank 0 (None elsewhere; the model itself on the null mesh), for
     writing the release format. Every rank must call it (each parameter is all-gathered); `build()` makes an
     empty model of the same config. Rank 0 then holds the model twice while saving."""
     if not mesh.distributed:
         return model
+    if not mesh.data_parallel:  # pipeline stages: the stages' weights broadcast into every rank's whole model
+        if pipeline is not None:
+            pipeline.sync(model)
+        return model if mesh.is_main else None
     reshard(model)  # named_parameters() then gives every rank the same DTensors
     full = {n: full_tensor(p).detach() for n, p in model.named_parameters()}
     if not mesh.is_main:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 #: Degrees this version implements (> 1); the others are refused with NOT_YET.
-IMPLEMENTED = ("dp_shard", "dp_replicate", "ep")
-NOT_YET = ("pp", "cp")
+IMPLEMENTED = ("dp_shard", "dp_replicate", "ep", "pp")
+NOT_YET = ("cp",)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,13 +41,18 @@ class ParallelConfig:
     dp_shard: int = 1  # FSDP2: parameters, gradients and optimizer state sharded over these ranks
     dp_replicate: int = 1  # replicas of the sharded group (HSDP); gradients all-reduced across them
     ep: int = 1  # expert parallel, carved from dp_shard x cp (this version: ep = dp_shard)
-    pp: int = 1  # pipeline stages cut at AttnRes block boundaries (not yet)
+    pp: int = 1  # pipeline stages cut at AttnRes block boundaries (`parallel/pipeline.py`; pp alone, this version)
     cp: int = 1  # context parallel for KDA and MLA (not yet)
+    pp_cuts: tuple[int, ...] = ()  # first layer of each stage after the first; () = balanced at block boundaries
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if f.name == "pp_cuts":
+                if not isinstance(v, (tuple, list)) or any(isinstance(c, bool) or not isinstance(c, int) for c in v):
+                    raise ValueError(f"parallel.pp_cuts must be a list of layer indices, got {v!r}")
+                object.__setattr__(self, "pp_cuts", tuple(v))
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"parallel.{f.name} must be an integer >= 1, got {v!r}")
 
     @property
@@ -69,6 +74,13 @@ class ParallelConfig:
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             raise ValueError(f"parallel.ep={self.ep} must divide parallel.dp_shard x parallel.cp = "
                              f"{self.dp_shard * self.cp} (experts are spread over the data-sharding ranks)")
+        if self.pp > 1 and self.pp != self.world_size:
+            raise ValueError(f"parallel.pp={self.pp} with dp_replicate x dp_shard x cp = "
+                             f"{self.dp_replicate} x {self.dp_shard} x {self.cp}: this version runs pipeline "
+                             "parallelism alone (every other degree 1)")
+        if self.pp_cuts and len(self.pp_cuts) != self.pp - 1:
+            raise ValueError(f"parallel.pp_cuts={list(self.pp_cuts)}: parallel.pp={self.pp} stages need "
+                             f"{self.pp - 1} cut(s)")
         if self.ep > 1 and (self.ep != self.dp_shard or self.dp_replicate > 1):
             raise ValueError(f"parallel.ep={self.ep} with dp_shard {self.dp_shard} and dp_replicate "
                              f"{self.dp_replicate}: this version runs expert parallelism over the whole dp_shard "
@@ -95,7 +107,7 @@ class Mesh:
         self.world_size = cfg.world_size
         # rank = replicate_index * dp_shard + shard_index (the device mesh's row-major order); dp rank = rank
         # while pp = cp = 1
-        self.dp_rank, self.dp_size = rank, cfg.dp
+        self.dp_rank, self.dp_size = (rank, cfg.dp) if cfg.pp == 1 else (0, 1)
 
     @property
     def is_main(self) -> bool:
@@ -122,17 +134,22 @@ class Mesh:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
 
-    # ---- collectives over the data-parallel ranks (identities on the null mesh) ----
+    # ---- collectives over the data-parallel ranks (identities with one data rank) ----
+    # The data ranks are every rank while pp = cp = 1; with pipeline stages (pp alone) there is one data rank.
+
+    @property
+    def data_parallel(self) -> bool:
+        return self.distributed and self.dp_size > 1
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
+        if self.data_parallel:
             import torch.distributed as dist
 
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
     def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
+        if self.data_parallel:
             import torch.distributed as dist
 
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -140,7 +157,7 @@ class Mesh:
 
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `t` along dim 0 in rank order (= the global batch's order)."""
-        if not self.distributed:
+        if not self.data_parallel:
             return t
         import torch.distributed as dist
 
@@ -171,6 +188,7 @@ class Mesh:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                dist.barrier()  # nobody tears its group down while another still talks
                 dist.destroy_process_group()
             self.device_mesh = None
 
@@ -209,6 +227,7 @@ def init_mesh(cfg: ParallelConfig, device: torch.device | str = "cpu", *, batch_
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    dims, names = (cfg.dp_replicate, cfg.dp_shard), ("dp_replicate", "dp_shard")
+    dims, names = ((cfg.pp,), ("pp",)) if cfg.pp > 1 else ((cfg.dp_replicate, cfg.dp_shard),
+                                                           ("dp_replicate", "dp_shard"))
     device_mesh = init_device_mesh(device.type, dims, mesh_dim_names=names)
     return Mesh(cfg, rank=rank, local_rank=local_rank, device_mesh=device_mesh)

@@ -116,6 +116,13 @@ class RoutingRecorder:
                 self.inputs[name].append(args[0])
         return hook
 
+    def keep_last(self, n: int) -> None:
+        """Keep each layer's last `n` records: torch's pipeline stage runs a forward of its own before the first
+        step (shape inference), which is not a micro-batch of the step."""
+        for name in self.layers:
+            del self.records[name][:-n or None]
+            del self.inputs[name][:-n or None]
+
     def enable(self) -> RoutingRecorder:
         if not self._handles:
             for n, m in self.layers.items():

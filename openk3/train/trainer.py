@@ -52,12 +52,12 @@ from openk3.train.config import TrainConfig, resume_changes
 from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
+from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids  # noqa: F401
 from openk3.train.schedule import LRSchedule
 from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, planned_saves
 from openk3.train.state import (
     checkpoint_root,
     find_latest,
-    naming,
     open_run_folder,
     record_config,
     resume_trainer,
@@ -115,11 +115,17 @@ class Trainer:
         self.model, self.batches, self.opt, self.schedule, self.cfg = model, batches, optimizers, schedule, cfg
         # data parallelism (openk3.parallel): each rank trains on its rows of every global batch
         self.mesh = mesh or null_mesh()
-        if self.mesh.dp_size > 1:
+        if self.mesh.dp_size > 1 or self.mesh.cfg.pp > 1:
+            kind = "data" if self.mesh.dp_size > 1 else "pipeline"
             for on, what in ((cfg.aux_loss_coef > 0, "aux_loss_coef > 0"), (cfg.qk_clip, "qk_clip")):
                 if on:
-                    raise ValueError(f"{what} with data parallelism is not implemented yet (issue 19); run it in "
+                    raise ValueError(f"{what} with {kind} parallelism is not implemented yet (issue 19); run it in "
                                      "one process or turn it off")
+        self.pipeline = None  # pipeline stages (parallel.pp): this rank's stage and its schedule
+        if self.mesh.cfg.pp > 1 and self.mesh.distributed:
+            from openk3.parallel.pipeline import Pipeline
+
+            self.pipeline = Pipeline(model, self.mesh, n_micro=cfg.grad_accum, device=device)
         if cfg.grad_accum > 1 and cfg.aux_loss_coef > 0:
             raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
@@ -150,7 +156,11 @@ class Trainer:
         loss = torch.zeros((), device=self.device)
         aux = None
         micro = ids.shape[0] // cfg.grad_accum
-        for k in range(cfg.grad_accum):
+        if self.pipeline is not None:  # the schedule runs the micro-batches through the stages
+            with autocast_context(cfg.dtype, self.device):
+                loss = self.pipeline.step(ids, labels, seg, count)
+            self.recorder.keep_last(cfg.grad_accum)  # one record per micro-batch (not the stage's first probe)
+        for k in range(cfg.grad_accum if self.pipeline is None else 0):
             part = slice(k * micro, (k + 1) * micro)
             with autocast_context(cfg.dtype, self.device):
                 logits = model(ids[part], seg_BT=None if seg is None else seg[part])
@@ -167,7 +177,10 @@ class Trainer:
                 del self.recorder.records[n][r:]
                 del self.recorder.inputs[n][r:]
             loss = loss + share.detach()
-        grad_norm = full_tensor(self.opt.clip_grad_norm_())
+        if self.pipeline is not None:
+            grad_norm = self.pipeline.clip_grad_norm_(self.opt.params(), self.opt.cfg.grad_clip)
+        else:
+            grad_norm = full_tensor(self.opt.clip_grad_norm_())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if cfg.qb_rate > 0:
@@ -210,6 +223,8 @@ class Trainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        if self.pipeline is not None:  # each rank then scores with the whole, current model
+            self.pipeline.sync(self.model)
         with autocast_context(cfg.dtype, self.device):
             # every rank scores the same batches (the sharded forward is collective, so the ranks must run the
             # same forwards), a micro-batch of rows at a time: the same numbers at any layout
@@ -247,6 +262,8 @@ class Trainer:
             self.opt.set_lr_multiplier(sd["optimizer"]["lr_multiplier"])
         else:
             self.opt.load_state_dict(sd["optimizer"])
+        if self.pipeline is not None:  # a stage keeps only its own parameters' state (the others' would go stale)
+            self.pipeline.drop_foreign_state(self.opt)
         self.schedule.load_state_dict(sd["schedule"])
         self.batches.load_state_dict(sd["loader"])
         set_rng_state(sd["rng"])
@@ -262,41 +279,6 @@ class Trainer:
 
 def _say(msg: str) -> None:
     print(f"[train] {msg}", flush=True)
-
-
-def find_tokenizer(cfg: TrainConfig, out_dir: Path):
-    """(tokenizer, folder) of `cfg.tokenizer` if given, else of `<out>/tokenizer` when a previous start
-    trained it; None when one has to be trained (`train_tokenizer`)."""
-    from openk3.tokenizer import Tokenizer
-
-    if cfg.tokenizer is not None:
-        return Tokenizer.from_dir(cfg.tokenizer), Path(cfg.tokenizer)
-    folder = out_dir / "tokenizer"
-    if (folder / "tiktoken.model").is_file():
-        return Tokenizer.from_dir(str(folder)), folder
-    return None
-
-
-def train_tokenizer(cfg: TrainConfig, out_dir: Path):
-    """Train `<out>/tokenizer` on the run's data with `cfg.model.vocab_size` ids. Returns (tokenizer, folder)."""
-    from openk3.data.sources import iter_texts
-    from openk3.tokenizer import train_bpe
-
-    _say(f"training a tokenizer with vocab {cfg.model.vocab_size} on data {cfg.data.source!r}")
-    folder = out_dir / "tokenizer"
-    tmp = out_dir / ".tokenizer.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tok = train_bpe(iter_texts(cfg.data), cfg.model.vocab_size, str(tmp))
-        os.replace(tmp, folder)
-    except OSError as e:
-        raise naming(e, folder, "writing the run's tokenizer") from e
-    return tok, folder
-
-
-def get_tokenizer(cfg: TrainConfig, out_dir: Path):
-    """`find_tokenizer`, else `train_tokenizer`. Returns (tokenizer, folder)."""
-    return find_tokenizer(cfg, out_dir) or train_tokenizer(cfg, out_dir)
 
 
 def _warn(msg: str) -> None:
@@ -315,18 +297,6 @@ class _NoLog:
 
     def close(self) -> None:
         pass
-
-
-def with_tokenizer_ids(model_cfg, tok):
-    """`model_cfg` with the vocabulary size and the special ids of `tok` (spec §7.1: eos is the turn
-    terminator `<|end_of_msg|>`; bos/pad are the tokenizer's `[BOS]`/`[PAD]`), so the checkpoint's
-    config.json / generation_config.json name the ids this tokenizer really uses: a preset's ids are
-    K3's layout (once the release's eos 163586 beside a 512-id vocabulary, where no other engine ever
-    stopped), which a user's tokenizer need not follow. A tokenizer without `<|end_of_msg|>` gives its
-    document eos."""
-    eos = tok.special_ids.get("<|end_of_msg|>", tok.eos_id)
-    extra = dict(model_cfg.extra, bos_token_id=tok.bos_id, pad_token_id=tok.pad_id)
-    return model_cfg.replace(vocab_size=tok.vocab_size, eos_token_id=eos, extra=extra)
 
 
 @torch.no_grad()
@@ -456,7 +426,9 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                           min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
     trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
     ranks = f", {mesh.world_size} processes (dp_replicate {cfg.parallel.dp_replicate} x dp_shard " \
-            f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep})" if mesh.distributed else ""
+            f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep}, pp {cfg.parallel.pp})" if mesh.distributed else ""
+    if trainer.pipeline is not None:
+        ranks += "; stages (layers) " + ", ".join(f"{a}-{b - 1}" for a, b in trainer.pipeline.bounds)
     say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
         f"(train), {threads} thread(s){ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
 
@@ -498,7 +470,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             mesh.barrier()
             save_optimizer(model, opt, staging)
             dirs = {OPTIMIZER_DIR: staging}
-        whole = gathered_model(model, mesh, empty_copy)
+        whole = gathered_model(model, mesh, empty_copy, trainer.pipeline)
         if main:
             path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints,
                                    extra_dirs=dirs)
@@ -568,7 +540,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
          f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
     # several processes: rank 0 samples from a whole copy (a sharded forward is collective, and ranks that drew
     # different tokens would run different numbers of them and hang)
-    sampler = gathered_model(model, mesh, empty_copy) if cfg.samples and mesh.distributed else model
+    sampler = gathered_model(model, mesh, empty_copy, trainer.pipeline) if cfg.samples and mesh.distributed else model
     if cfg.samples and main:
         gen = torch.Generator().manual_seed(cfg.seed)
         n_docs = ds.val.num_docs
