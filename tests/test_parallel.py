@@ -331,3 +331,39 @@ def test_an_expert_parallel_moe_layer_equals_the_layer_in_one_process(tmp_path):
             assert {"out", "dx", "gate.weight", "experts.w1", "experts.w2", "routed_expert_down_proj.weight",
                     "shared_experts.down_proj.weight"} <= set(errs)
             assert max(errs.values()) <= tol, (rank, name, errs)
+
+
+@pytest.mark.slow  # two torchrun agents of one process each, nano for 2 steps (~15 s)
+def test_the_slurm_script_trains_on_two_nodes_through_the_rendezvous(tmp_path):
+    """scripts/slurm/train.sbatch with stand-ins for `srun` (runs its command once per task, concurrently) and
+    `scontrol` (the first node is this host): two "nodes" are two torchrun agents that meet through torchrun's
+    c10d rendezvous, as on a cluster, and train one 2-process FSDP2 run; rank 0 writes the run folder."""
+    import socket
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stand_ins = {
+        "scontrol": "#!/bin/sh\necho localhost\n",
+        "srun": "#!/bin/bash\n# stand-in: srun's own --options first, then the command, once per task\nn=1\n"
+                "while [[ $1 == --* ]]; do case $1 in --ntasks=*) n=${1#--ntasks=};; esac; shift; done\n"
+                "pids=()\nfor ((i = 0; i < n; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i \"$@\" & pids+=($!); done\n"
+                "rc=0\nfor p in \"${pids[@]}\"; do wait \"$p\" || rc=1; done\nexit $rc\n",
+    }
+    for name, text in stand_ins.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod((bin_dir / name).stat().st_mode | stat.S_IEXEC)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", PYTHONPATH=str(ROOT), PYTHON=sys.executable, GPUS_PER_NODE="1",
+               SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_ID="4242",
+               OPENK3_RDZV_PORT=str(port))
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), *TRAIN, "--out", str(out),
+                           "--max-steps", "2"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"[slurm] 2 node(s) x 1 process(es); rendezvous localhost:{port} (job 4242)" in proc.stdout
+    assert json.loads((out / "train_config.json").read_text())["parallel"]["dp_shard"] == 2
+    assert len(_losses(out)) == 2 and (out / "checkpoints" / "step_000002" / "model.safetensors").is_file()
