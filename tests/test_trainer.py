@@ -13,6 +13,7 @@ import torch
 
 from openk3.config import preset
 from openk3.train import state as train_state
+from openk3.train.balance import RoutingRecorder
 from openk3.train.config import TrainConfig, apply_overrides, parse_value
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.trainer import enable_activation_checkpointing, train
@@ -238,7 +239,11 @@ def test_activation_checkpointing_gives_the_same_gradients():
         model = K3ForCausalLM.build(cfg, seed=0)
         if ckpt:
             enable_activation_checkpointing(model)
+        recorder = RoutingRecorder(model).enable()
         model(ids).logsumexp(-1).mean().backward()
+        # the forwards re-run inside backward are not routing records (QB would count them twice)
+        assert all(len(r) == 1 for r in recorder.records.values()) and len(recorder.records) == 8
+        recorder.disable()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert sum(g is not None for g in grads[0].values()) > 10
     for n, g in grads[0].items():

@@ -99,7 +99,8 @@ class RoutingRecorder:
 
     `keep_inputs=True` also keeps each layer's (grad-carrying) input so `aux_loss` can recompute the
     router scores with gradients. Use as a context manager or with `enable()` / `disable()`.
-    Activation checkpointing that re-runs MoE forwards would record them twice: `clear()` accordingly.
+    Forwards that activation checkpointing re-runs inside backward are not recorded (they repeat a
+    micro-batch's routing; under pipeline stages they interleave with the next micro-batches' forwards).
     """
 
     def __init__(self, model: nn.Module, *, keep_inputs: bool = False) -> None:
@@ -111,6 +112,8 @@ class RoutingRecorder:
 
     def _hook(self, name: str):
         def hook(module, args, output):
+            if torch._C._current_graph_task_id() != -1:
+                return  # a forward re-run inside backward (activation checkpointing): not a new micro-batch
             self.records[name].append(module.last_routing)
             if self.keep_inputs:
                 self.inputs[name].append(args[0])
