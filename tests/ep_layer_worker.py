@@ -11,6 +11,7 @@ Errors are relative to the largest reference value.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -95,3 +96,9 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # Under load, about one run in three aborted *after* a clean destroy_process_group, in the interpreter's
+    # teardown ("terminate called without an active exception": a C++ thread of torch still joinable when its
+    # static owner is destroyed). The work is done and written by then; leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -180,7 +180,8 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
     the same command line as one process: a run started on 2 processes with expert parallelism (optimizer state,
     experts' included, in DCP shards) resumes on 1, and one started on 1 (whole optimizer state) resumes on 2
-    with FSDP2 alone and as 2 pipeline stages (then back on 1), each ending where the uninterrupted
+    with FSDP2 alone and as 2 pipeline stages (then as 2 shards reading the weights' DCP shards), each ending
+    where the uninterrupted
     one-process run ends (losses, weights); only rank 0 writes (one metrics line per step); a torn DCP staging
     folder is removed. Each save follows an evaluation, whose forward leaves the root FSDP unit gathered (naming
     the optimizer state through the model then failed with a KeyError)."""
@@ -207,17 +208,20 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     shutil.copytree(one_then_two, one_then_pp)
     _openk3_train(one_then_two, 2, "--no-progress", "--max-steps", "4")
     # the same checkpoint resumed as 2 pipeline stages, 2 micro-batches each step (1F1B), saving each step
-    # through DCP; then, as if killed after step 3's save (--max-steps 3 would shorten the LR schedule), the
-    # last step in one process again
+    # through DCP (weights too); then, as if killed after step 3's save (--max-steps 3 would shorten the LR
+    # schedule), the last step as 2 FSDP2 shards, which read their rows of the weights from those DCP shards
     _openk3_train(one_then_pp, 2, "--no-progress", "--max-steps", "4", "parallel.pp=2", "grad_accum=2",
                   "save_every=1")
     assert json.loads((one_then_pp / "train_config.json").read_text())["parallel"]["pp"] == 2
-    assert (one_then_pp / "checkpoints" / "step_000003" / "optimizer_dcp" / ".metadata").is_file()
+    step3 = one_then_pp / "checkpoints" / "step_000003"
+    assert (step3 / "optimizer_dcp" / ".metadata").is_file() and (step3 / "model_dcp" / ".metadata").is_file()
     pp_losses = _losses(one_then_pp)
     shutil.rmtree(one_then_pp / "checkpoints" / "step_000004")
     (one_then_pp / "checkpoints" / "latest").write_text("step_000003\n")
-    _openk3_train(one_then_pp, 1, "--no-progress", "--max-steps", "4")
-    assert abs(pp_losses[3] - _losses(one_then_pp)[3]) <= 1e-5 * abs(pp_losses[3])  # stage or one process
+    (step3 / "model.safetensors").write_bytes(b"")  # proves the 2-process resume reads the DCP weights
+    _openk3_train(one_then_pp, 2, "--no-progress", "--max-steps", "4", "parallel.pp=1")
+    assert json.loads((one_then_pp / "train_config.json").read_text())["parallel"]["dp_shard"] == 2
+    assert abs(pp_losses[3] - _losses(one_then_pp)[3]) <= 1e-5 * abs(pp_losses[3])  # stages or shards
     ref = _losses(one)
     ref_w = dict(openk3.load(one / "checkpoints" / "step_000004", dtype="float32").named_parameters())
     for run in (two_then_one, one_then_two, one_then_pp):

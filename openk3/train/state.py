@@ -209,7 +209,8 @@ def read_weights(path: str | os.PathLike):
     return load(path, dtype=torch.float32)
 
 
-def load_latest(out_dir: str | os.PathLike) -> tuple[Path, dict, object, list[str]] | None:
+def load_latest(out_dir: str | os.PathLike, *, weights_dcp_ok: bool = False
+                ) -> tuple[Path, dict, object, list[str]] | None:
     """(checkpoint, trainer state, fp32 model, problems) of the newest checkpoint that reads back whole,
     or None when there is no complete checkpoint.
 
@@ -219,6 +220,8 @@ def load_latest(out_dir: str | os.PathLike) -> tuple[Path, dict, object, list[st
     the caller to warn with. The weights are read here, not after the model is built, so a corrupt
     file is found before anything else is set up (and the read is not done twice: the caller copies
     from the returned model). Raises ValueError listing every problem if no checkpoint loads.
+    `weights_dcp_ok` (a multi-process resume): a checkpoint with DCP weight shards (`weights_dcp`) is not read
+    here; its model is None and the caller loads the shards into the laid-out model (`resume_trainer`).
     """
     found = [p for _, p in reversed(list_checkpoints(out_dir))]
     latest = find_latest(out_dir)
@@ -238,6 +241,12 @@ def load_latest(out_dir: str | os.PathLike) -> tuple[Path, dict, object, list[st
         if dcp_dir is not None and not (path / dcp_dir / ".metadata").is_file():
             problems.append(f"{path / dcp_dir}: the optimizer's DCP shards are missing")
             continue
+        shards = state.get("weights_dcp")
+        if shards is not None and weights_dcp_ok:
+            if not (path / shards / ".metadata").is_file():
+                problems.append(f"{path / shards}: the weights' DCP shards are missing")
+                continue
+            return path, state, None, problems
         try:
             weights = read_weights(path)
         except Exception as e:
@@ -271,14 +280,15 @@ def load_weights_into(model, path: str | os.PathLike, loaded=None) -> None:
 
 # ---- the run folder: what `openk3 train` and `openk3 sft` open, resume and record -------------------------
 
-def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None]):
+def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None], *,
+                    weights_dcp_ok: bool = False):
     """(checkpoint folder, trainer state, weights) of the newest intact checkpoint in `out` to resume, or
     Nones. Torn saves are removed first; resume=False refuses a folder that has checkpoints."""
     for name in clean_leftovers(out):
         say(f"removed {name} (left by an interrupted checkpoint)")
     if not resume and (latest := find_latest(out)) is not None:
         raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
-    if not resume or (found := load_latest(out)) is None:
+    if not resume or (found := load_latest(out, weights_dcp_ok=weights_dcp_ok)) is None:
         return None, None, None
     ckpt, saved, saved_weights, problems = found
     for problem in problems:
@@ -297,7 +307,12 @@ def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights
         if write and metrics_path.exists():
             metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
         return None
-    load_weights_into(trainer.model, ckpt, saved_weights)
+    if saved_weights is None and saved.get("weights_dcp"):  # a multi-process save read by several processes
+        from openk3.parallel.checkpoint import load_model
+
+        load_model(trainer.model, ckpt / saved["weights_dcp"])
+    else:
+        load_weights_into(trainer.model, ckpt, saved_weights)
     trainer.load_state_dict(saved, ckpt)
     from openk3.train.metrics import truncate_after
 

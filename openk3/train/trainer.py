@@ -370,7 +370,8 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     threads = setup_cpu(cfg.threads)
 
     with mesh.main_first():  # rank 0 removes torn saves; then every rank reads the newest intact checkpoint
-        ckpt, saved, saved_weights = open_run_folder(out, resume, say, warn)
+        # (several processes read a multi-process save's weights from its DCP shards once the model is laid out)
+        ckpt, saved, saved_weights = open_run_folder(out, resume, say, warn, weights_dcp_ok=mesh.distributed)
 
     # Disk space first, from the configs alone: a full disk is then an error before the tokenizer is
     # trained and the data cached, not an ENOSPC in the middle of either or at the first checkpoint.
@@ -461,16 +462,22 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
         state["config"] = cfg.to_dict()
         dirs = None
         if mesh.distributed:
-            from openk3.parallel.checkpoint import OPTIMIZER_DIR, STAGING_PREFIX, save_optimizer
+            from openk3.parallel.checkpoint import MODEL_DIR, OPTIMIZER_DIR, STAGING_PREFIX, save_model, save_optimizer
 
             staging = checkpoint_root(out) / f"{STAGING_PREFIX}{step_dir_name(trainer.step)}"
+            staging_w = checkpoint_root(out) / f"{STAGING_PREFIX}weights-{step_dir_name(trainer.step)}"
             if main:
-                shutil.rmtree(staging, ignore_errors=True)
+                for folder in (staging, staging_w):
+                    shutil.rmtree(folder, ignore_errors=True)
                 staging.parent.mkdir(parents=True, exist_ok=True)
             mesh.barrier()
+            if trainer.pipeline is not None:  # every rank then holds every stage's current weights
+                trainer.pipeline.sync(model)
             save_optimizer(model, opt, staging)
-            dirs = {OPTIMIZER_DIR: staging}
-        whole = gathered_model(model, mesh, empty_copy, trainer.pipeline)
+            save_model(model, staging_w)  # what a multi-process resume reads, each rank its own rows
+            dirs = {OPTIMIZER_DIR: staging, MODEL_DIR: staging_w}
+            state["weights_dcp"] = MODEL_DIR
+        whole = gathered_model(model, mesh, empty_copy)  # (pipeline stages were synchronised above)
         if main:
             path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints,
                                    extra_dirs=dirs)
