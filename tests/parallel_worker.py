@@ -6,7 +6,9 @@
 LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2), "replicate" (parallel.dp_replicate = world size:
 HSDP with shard groups of one), "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
 spread over the ranks, the rest FSDP2) or "pp" (parallel.pp = world size: pipeline stages at AttnRes block
-boundaries, N micro-batches through torch's schedule). N: micro-batches per step on each rank (grad_accum, default 1).
+boundaries, N micro-batches through torch's schedule); a "-bf16" suffix trains under bf16 autocast (the trainer's
+mixed precision: fp32 parameters and islands, bf16 matmuls) instead of fp32, "bf16" alone in one process.
+N: micro-batches per step on each rank (grad_accum, default 1).
 
 nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
 packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
@@ -54,10 +56,11 @@ def batches(steps: int, vocab: int) -> list[dict]:
 def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 1) -> None:
     setup_cpu(1)
     world, _, _ = world_from_env()
-    degrees = {"shard": {"dp_shard": world}, "replicate": {"dp_replicate": world},
+    layout, bf16 = layout.removesuffix("-bf16"), layout.endswith("bf16")
+    degrees = {"shard": {"dp_shard": world}, "bf16": {}, "replicate": {"dp_replicate": world},
                "ep": {"dp_shard": world, "ep": world}, "pp": {"pp": world}}[layout]
     cfg = TrainConfig(model=preset("nano"), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
-                      grad_accum=grad_accum, parallel=ParallelConfig(**degrees))
+                      grad_accum=grad_accum, parallel=ParallelConfig(**degrees), dtype="bf16" if bf16 else "fp32")
     mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
     apply_ep(model, mesh)

@@ -10,7 +10,9 @@ the ranks' gradients is the single-process gradient of the concatenated global b
 included. FSDP2 averages over the data ranks (a custom divide factor of 1 needs PREMUL_SUM, which gloo
 lacks), so the trainer runs backward on that loss times the number of data ranks. Parameters stay in their
 training dtype (fp32: K3's fp32 islands need nothing special); bf16 compute comes from the trainer's
-autocast, as on one device. With parallel.dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP (sharded
+autocast, as on one device (tested equal to one process in bf16). Not FSDP2's MixedPrecisionPolicy (bf16
+all-gathers, half the bytes): it casts whole units, and the islands `A_log` / `dt_bias` are parameters of the
+attention module itself, so they could not keep fp32 without leaving FSDP (docs/distributed.md). With parallel.dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP (sharded
 within a group, replicated across groups).
 
 Buffers (the router's correction bias, which Quantile Balancing updates) are not sharded: every rank holds
