@@ -150,7 +150,7 @@ def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
 
 def test_bad_arguments_name_the_flag(tmp_path):
     out = str(tmp_path / "pt")
-    with pytest.raises(ValueError, match="--profile: expected one of tiny, smoke, full, got 'huge'"):
+    with pytest.raises(ValueError, match="--profile: expected one of tiny, smoke, full, overnight, got 'huge'"):
         run_command("--preset", "nano", "--out", out, "--profile", "huge")
     with pytest.raises(ValueError, match="--domains: expected a comma-separated subset of general,agent,coding, "
                                          "got 'general,robots'"):

@@ -12,7 +12,8 @@ lacks), so the trainer runs backward on that loss times the number of data ranks
 training dtype (fp32: K3's fp32 islands need nothing special); bf16 compute comes from the trainer's
 autocast, as on one device (tested equal to one process in bf16). Not FSDP2's MixedPrecisionPolicy (bf16
 all-gathers, half the bytes): it casts whole units, and the islands `A_log` / `dt_bias` are parameters of the
-attention module itself, so they could not keep fp32 without leaving FSDP (docs/distributed.md). With parallel.dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP (sharded
+attention module itself, so they could not keep fp32 without leaving FSDP (docs/distributed.md).
+With parallel.dp_replicate > 1 the mesh is 2-D and FSDP2 runs HSDP (sharded
 within a group, replicated across groups).
 
 Buffers (the router's correction bias, which Quantile Balancing updates) are not sharded: every rank holds

@@ -123,22 +123,36 @@ PROFILES = {
                      response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
                      merge_method="ties", merge_density=0.5,
                      micro_tokens=None, save_every=None),
-    # the real experiment (CPU nano overnight, or small on one GPU): background §3.1-3.9's sizes scaled down to
-    # ~12 hours on one core (measured: SFT ~1 h at 1.1k tokens/s; an RL step of 32 rollouts a few minutes, so
-    # 9 x 20 steps; 100 steps of 64, as first planned, were ~50 h); the response cap covers the longest
-    # reference turn (a coding file write, ~1,040 tokens); SFT rows and RL / MOPD batches go through the
-    # trainer in 8,192-token pieces (8 x 8,192 tokens at once needed 23 GB: killed for memory)
-    "full": Profile(name="full", vocab_size=2048, layers=None,
-                    general_problems=600, agentic_problems=40, levels=None,
-                    sft_steps=None, sft_epochs=2, sft_batch=8, sft_grad_accum=8,
-                    sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
+    # the real experiment, sized to finish inside one ~3-hour working session on one core of the 2-core machine
+    # (~2 h; docs/posttraining.md has the measured stages): nano cut to 4 layers as in smoke (at 9 layers an hour
+    # of SFT learned less than 4 layers in 10 minutes), levels 1-2, whole traces only, a response cap that
+    # covers the longest reference turn (a coding file write, ~1,040 byte tokens, ~300 BPE), greedy eval with
+    # a think cap above every reference (general max ~820 bytes)
+    "full": Profile(name="full", vocab_size=2048, layers=4,
+                    general_problems=150, agentic_problems=8, levels=(1, 2),
+                    sft_steps=None, sft_epochs=6, sft_batch=1, sft_grad_accum=1,
+                    sft_seq_len=2048, agentic_seq_len=4096, sft_lr=2e-3,
                     sft_overflow="drop",
-                    rl_steps=20, rl_prompts=4, rl_group=8, rl_lr=1e-5,
-                    mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
-                    eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
-                    response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
+                    rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5,
+                    mopd_steps=12, mopd_prompts=9, mopd_lr=3e-5, mopd_think_cap=768,
+                    eval_n=32, eval_samples=1, eval_temperature=0.0, eval_think_cap=768,
+                    response_cap=1024, max_turns=6, max_model_len=2048, agentic_max_model_len=8192,
                     merge_method="ties", merge_density=0.5,
-                    micro_tokens=8192, save_every=5),
+                    micro_tokens=8192, save_every=2),
+    # the first full sizing (background §3.1-3.9 scaled to ~12 hours on one core: all 9 nano layers, SFT
+    # 2 epochs of 8 x 8,192 tokens in 8 micro-batches, 20 RL steps of 32 rollouts per teacher, 40 MOPD steps,
+    # 48 samples per cell at T = 1). Not run to the end here: a working session's machine lasts ~3 hours
+    "overnight": Profile(name="overnight", vocab_size=2048, layers=None,
+                         general_problems=600, agentic_problems=40, levels=None,
+                         sft_steps=None, sft_epochs=2, sft_batch=8, sft_grad_accum=8,
+                         sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
+                         sft_overflow="drop",
+                         rl_steps=20, rl_prompts=4, rl_group=8, rl_lr=1e-5,
+                         mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
+                         eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
+                         response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
+                         merge_method="ties", merge_density=0.5,
+                         micro_tokens=8192, save_every=5),
 }
 
 
