@@ -72,6 +72,7 @@ class Profile:
     rl_steps: int
     rl_prompts: int
     rl_group: int
+    rl_general: tuple[int, int, int] | None  # (steps, prompts, group) for general teachers: rollouts ~10x cheaper
     rl_lr: float
     mopd_steps: int
     mopd_prompts: int
@@ -98,7 +99,7 @@ PROFILES = {
                     sft_steps=2, sft_epochs=1, sft_batch=2, sft_grad_accum=1,
                     sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
                     sft_overflow="truncate",
-                    rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5,
+                    rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5, rl_general=None,
                     mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
                     response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
@@ -117,7 +118,7 @@ PROFILES = {
                      sft_steps=None, sft_epochs=5, sft_batch=1, sft_grad_accum=1,
                      sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
                      sft_overflow="truncate",
-                     rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5,
+                     rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5, rl_general=None,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
                      response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
@@ -133,7 +134,7 @@ PROFILES = {
                     sft_steps=None, sft_epochs=6, sft_batch=1, sft_grad_accum=1,
                     sft_seq_len=2048, agentic_seq_len=4096, sft_lr=2e-3,
                     sft_overflow="drop",
-                    rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5,
+                    rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5, rl_general=(20, 8, 8),
                     mopd_steps=12, mopd_prompts=9, mopd_lr=3e-5, mopd_think_cap=768,
                     eval_n=32, eval_samples=1, eval_temperature=0.0, eval_think_cap=768,
                     response_cap=1024, max_turns=6, max_model_len=2048, agentic_max_model_len=8192,
@@ -148,6 +149,7 @@ PROFILES = {
                          sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
                          sft_overflow="drop",
                          rl_steps=20, rl_prompts=4, rl_group=8, rl_lr=1e-5,
+                         rl_general=None,
                          mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
                          eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
                          response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
@@ -391,9 +393,11 @@ class Pipeline:
         start = resolve_checkpoint(self.out / "sft" if previous is None
                                    else teacher_dir(self.out, f"{domain}/{previous}"))
         p = self.profile
-        cfg = RLConfig(model=str(start), domain=domain, effort=effort, steps=p.rl_steps, prompts_per_step=p.rl_prompts,
-                       group_size=p.rl_group, lr=p.rl_lr, budget_from_effort=previous, response_cap=p.response_cap,
-                       max_turns=p.max_turns, seed=self.seed, save_every=p.save_every or p.rl_steps,
+        steps, prompts, group = p.rl_general if domain == "general" and p.rl_general else \
+            (p.rl_steps, p.rl_prompts, p.rl_group)
+        cfg = RLConfig(model=str(start), domain=domain, effort=effort, steps=steps, prompts_per_step=prompts,
+                       group_size=group, lr=p.rl_lr, budget_from_effort=previous, response_cap=p.response_cap,
+                       max_turns=p.max_turns, seed=self.seed, save_every=p.save_every or steps,
                        max_model_len=self.context((domain,)), micro_tokens=p.micro_tokens)
         last = rl(cfg, teacher_dir(self.out, cell))
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reward", "over_budget_rate", "think_mean")}}
