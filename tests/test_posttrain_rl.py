@@ -336,6 +336,27 @@ def test_budget_annealing_moves_from_the_parent_effort_to_the_cell_budget():
     assert [p.prompt_ids for p in plain] == [p.prompt_ids for p in first]  # same problems, step by step
 
 
+def test_levels_restrict_the_general_problems_drawn():
+    """`levels` (RLConfig, MOPDConfig, eval, `--levels`): RL asks the general levels SFT taught, not harder
+    ones it never saw (a pipeline whose SFT used levels 1-2 drew 5-digit level-3 sums in RL)."""
+    from openk3.posttrain.general import parse_levels
+    from openk3.posttrain.mopd import MOPDConfig
+
+    def levels(source):
+        return {p.id.split("/")[-2] for p in source.draw(0, 24, total_steps=1)}
+
+    assert levels(rl_problems.ProblemSource("general", "low", TOK)) == {"l1", "l2", "l3"}
+    assert levels(rl_problems.ProblemSource("general", "low", TOK, levels=(1,))) == {"l1"}
+    assert levels(rl_problems.ProblemSource("general", "low", TOK, levels=[2, 1])) == {"l1", "l2"}
+    assert RLConfig(levels=[2, 1]).levels == (1, 2) and MOPDConfig(levels=(3,)).levels == (3,)
+    assert parse_levels("1,2") == (1, 2) and parse_levels(None) is None and parse_levels("all") is None
+    for bad in ((), (0,), (1, 1), ("1",), (True,)):
+        with pytest.raises(ValueError, match="rl levels must be a non-empty subset of"):
+            RLConfig(levels=bad)
+    with pytest.raises(ValueError, match="--levels must be a non-empty subset of"):
+        parse_levels("1,x")
+
+
 # ---- the run and the command --------------------------------------------------------------------------
 
 

@@ -35,6 +35,8 @@ def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) 
     from openk3.posttrain.records import SPLITS
 
     p.add_argument("--split", choices=SPLITS, default=d.split, help=f"problems' split (default {d.split})")
+    p.add_argument("--levels", default=None, help="general difficulty levels drawn, e.g. 1,2 (default all; "
+                                                  "those of the SFT data keep RL on what SFT taught)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"{seed_help} (default {d.seed})")
     p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,

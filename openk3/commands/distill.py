@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.common import setup_cpu
+    from openk3.posttrain.general import parse_levels
     from openk3.posttrain.mopd import MOPDConfig, distill
 
     setup_cpu(args.threads)
@@ -64,7 +65,8 @@ def main(args: argparse.Namespace) -> int:
                      clip=args.clip or None, alpha=args.alpha, ppo_epochs=args.ppo_epochs,
                      ratio_clip=tuple(args.ratio_clip), adv_floor=args.adv_floor, lr=args.lr,
                      response_cap=args.response_cap, think_cap=args.think_cap, max_turns=args.max_turns,
-                     split=args.split, seed=args.seed, save_every=args.save_every, max_num_seqs=args.max_num_seqs,
+                     split=args.split, levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
+                     max_num_seqs=args.max_num_seqs,
                      max_model_len=args.max_model_len)
     last = distill(cfg, args.out)
     if last:

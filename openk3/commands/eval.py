@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=1, help="trajectories per problem (default 1; the background's "
                                                           "pass@1 is the mean of 4)")
     p.add_argument("--split", choices=SPLITS, default="test", help="problems' split (default test)")
+    p.add_argument("--levels", default=None, help="general difficulty levels drawn, e.g. 1,2 (default all)")
     p.add_argument("--seed", type=int, default=0, help="problems and sampling (default 0)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 = greedy (default 1.0)")
     p.add_argument("--think-cap", type=int, default=None,
@@ -87,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
     from openk3.fsutil import read_json, write_atomic
     from openk3.posttrain.budget import BudgetConfig
     from openk3.posttrain.evaluate import CELLS, evaluate, parse_cells, report_problems, write_report
+    from openk3.posttrain.general import parse_levels
 
     setup_cpu(args.threads)
     models_in = _pairs(args.models, "--models")
@@ -101,12 +103,13 @@ def main(args: argparse.Namespace) -> int:
         if file is not None and not os.path.isfile(file):  # checked now, not after hours of evaluation
             raise ValueError(f"{what}: no metrics file {file}")
     cells = parse_cells(args.cells)
+    levels = parse_levels(args.levels)
     budget = BudgetConfig(b_floor=args.b_floor)
     settings = {"cells": [f"{d}/{e}" for d, e in cells], "n_per_cell": args.n, "samples": args.samples,
                 "split": args.split, "seed": args.seed, "temperature": args.temperature, "think_cap": args.think_cap,
                 "response_cap": args.response_cap, "max_turns": args.max_turns, "b_floor": args.b_floor,
                 "max_model_len": args.max_model_len, "prompt_effort": args.prompt_effort,
-                "budget_forcing": args.budget_forcing}
+                "budget_forcing": args.budget_forcing, **({"levels": list(levels)} if levels else {})}
     done_dir = os.path.join(args.out, "models")
     os.makedirs(done_dir, exist_ok=True)
     models: dict = {}
@@ -123,7 +126,8 @@ def main(args: argparse.Namespace) -> int:
             m = evaluate(folder, cells, args.n, args.split, args.seed, args.temperature, args.samples,
                          think_cap=args.think_cap, response_cap=args.response_cap, max_turns=args.max_turns,
                          budget=budget, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         prompt_effort=args.prompt_effort, budget_forcing=args.budget_forcing, device=args.device)
+                         prompt_effort=args.prompt_effort, budget_forcing=args.budget_forcing, device=args.device,
+                         levels=levels)
             write_atomic(done, (json.dumps({"settings": settings, "checkpoint": folder, "metrics": m}) + "\n").encode())
         for d, e in cells:
             c = m[d][e]

@@ -1,4 +1,4 @@
-"""`openk3 posttrain --preset P --out DIR [--profile tiny|smoke|full] [--domains general,agent,coding]`:
+"""`openk3 posttrain --preset P --out DIR [--profile tiny|smoke|full|overnight] [--domains general,agent,coding]`:
 the whole post-training pipeline (issue 18 item 7; `openk3.posttrain.pipeline`).
 
     openk3 posttrain --preset nano --out runs/pt-smoke --profile smoke --domains general
@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="the run folder (created; a rerun continues it)")
     p.add_argument("--profile", default="smoke",
                    help=f"stage sizes: {', '.join(PROFILES)} (default smoke: one CPU core, 10-12 minutes for all "
-                        "three domains; full: ~12 hours of nano on one core)")
+                        "three domains; full: ~2 hours of nano cut to 4 layers on one core; overnight: ~12 hours of "
+                        "the whole preset)")
     p.add_argument("--domains", default="general,agent,coding",
                    help="comma-separated domains (default all three: the full report)")
     p.add_argument("--base", default=None,

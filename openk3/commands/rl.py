@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.common import setup_cpu
+    from openk3.posttrain.general import parse_levels
     from openk3.posttrain.rl import RLConfig, rl
 
     setup_cpu(args.threads)
@@ -70,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
                    clip_high=args.clip_high, is_mode=args.is_mode, is_bounds=tuple(args.is_bounds),
                    temperature=args.temperature, response_cap=args.response_cap, max_turns=args.max_turns,
                    budget_from_effort=args.budget_from_effort, anneal_fraction=args.anneal_fraction,
-                   b_floor=args.b_floor, split=args.split, seed=args.seed, save_every=args.save_every,
+                   b_floor=args.b_floor, split=args.split, levels=parse_levels(args.levels), seed=args.seed,
+                   save_every=args.save_every,
                    max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     last = rl(cfg, args.out)
     if last:

@@ -191,7 +191,7 @@ def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | 
                     split: str = "test", seed: int = 0, temperature: float = 1.0, samples: int = 1, *,
                     think_cap: int | None = None, response_cap: int = RESPONSE_CAP, max_turns: int = 8,
                     budget: BudgetConfig | None = None, batch_problems: int = 32, sandbox_options: dict | None = None,
-                    prompt_effort: str | None = None, budget_forcing: bool = False,
+                    prompt_effort: str | None = None, budget_forcing: bool = False, levels=None,
                     on_records: Callable[[str, str, list[dict]], None] | None = None) -> dict:
     """M = {domain: {effort: cell_metrics}} of the model behind `engine` (an `infer.Engine`, or anything
     with its add_request/step/abort surface) on `cells` (default all nine). temperature 0 is greedy (one
@@ -200,7 +200,8 @@ def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | 
     prompt_effort: render every cell's prompts with this effort's system message (the budgets stay the
     cell's); budget_forcing: stop thinking at the cell's budget and force the response
     (`budget_forced_rollout`; single-turn domains). Together, prompt_effort="max" and budget_forcing give
-    the background's baseline: the max teacher forced to each effort's budget (§3.8)."""
+    the background's baseline: the max teacher forced to each effort's budget (§3.8). levels: the general
+    difficulty levels drawn (None: all; a model SFT-trained on levels 1-2 is evaluated on those)."""
     cells = parse_cells(cells) if cells is None or isinstance(cells, str) else list(cells)
     for name, value, least in (("n_per_cell", n_per_cell, 1), ("samples", samples, 1),
                                ("batch_problems", batch_problems, 1), ("response_cap", response_cap, 1),
@@ -224,7 +225,8 @@ def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | 
                          f"{[f'{d}/{e}' for d, e in cells if d != 'general']}")
     budget = budget or BudgetConfig()
     sources = {cell: ProblemSource(cell[0], prompt_effort or cell[1], tokenizer, split=split, seed=seed,
-                                   budget=budget, max_turns=max_turns, sandbox_options=sandbox_options)
+                                   budget=budget, max_turns=max_turns, sandbox_options=sandbox_options,
+                                   levels=levels)
                for cell in cells}
     records: dict[tuple[str, str], list[dict]] = {cell: [] for cell in cells}
     # Problems of several cells share one rollout (one continuous batch) up to batch_problems at a time: a

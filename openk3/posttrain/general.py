@@ -290,6 +290,30 @@ FAMILIES = {"arith": (_arith, ("pair", "chain", "bracket", "nested")),  # the la
             "instruct": (_instruct, ("words", "json", "sentences"))}
 
 
+def check_levels(levels, where: str) -> tuple[int, ...] | None:
+    """A distinct, non-empty subset of LEVELS as a sorted tuple (None: every level); ValueError naming `where`."""
+    if levels is None:
+        return None
+    try:
+        out = tuple(sorted(levels))
+    except TypeError:
+        out = ()
+    if not out or len(set(out)) != len(out) or any(isinstance(v, bool) or v not in LEVELS for v in out):
+        raise ValueError(f"{where} must be a non-empty subset of {list(LEVELS)} (or None: all), got {levels!r}")
+    return out
+
+
+def parse_levels(text: str | None, flag: str = "--levels") -> tuple[int, ...] | None:
+    """"1,2" -> (1, 2); None or "all" -> None; ValueError naming the flag otherwise."""
+    if text is None or str(text).strip() == "all":
+        return None
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = None
+    return check_levels(values if values else str(text), flag)
+
+
 def split_of(prompt: str) -> str:
     """train or test for an instance of an ordinary template: a function of the prompt alone."""
     return "test" if int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 10 < TEST_BUCKETS else "train"

@@ -129,6 +129,7 @@ class MOPDConfig:
     think_cap: int | None = None  # think tokens per trajectory before it is cut (None: the context limit)
     max_turns: int = 8
     split: str = "train"
+    levels: tuple[int, ...] | None = None  # general cells: the difficulty levels drawn (None: all)
     # loop
     seed: int = 0
     grad_clip: float | None = 1.0
@@ -153,6 +154,9 @@ class MOPDConfig:
         object.__setattr__(self, "cells", cells)
         if self.split not in SPLITS:
             raise bad("split", f"one of {list(SPLITS)}")
+        from openk3.posttrain.general import check_levels
+
+        object.__setattr__(self, "levels", check_levels(self.levels, "mopd levels"))
         for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("ppo_epochs", 1),
                              ("response_cap", 1), ("max_turns", 1), ("save_every", 1), ("max_num_seqs", 1)):
             value = getattr(self, field)
@@ -380,7 +384,7 @@ def _sources(cfg: MOPDConfig, tok, sandbox_options: dict | None) -> dict:
         # general/high from drawing the very same problems whenever both come up in one step.
         seed = cfg.seed * len(THINKING_EFFORTS) + THINKING_EFFORTS.index(effort)
         sources[cell] = ProblemSource(domain, effort, tok, split=cfg.split, seed=seed, max_turns=cfg.max_turns,
-                                      sandbox_options=sandbox_options)
+                                      sandbox_options=sandbox_options, levels=cfg.levels)
     return sources
 
 

@@ -60,7 +60,7 @@ class Profile:
     vocab_size: int | None  # the run's BPE tokenizer trained on its domains (vocab.py); None: byte-level
     general_problems: int  # SFT problems per effort of the general domain (x3 records each)
     agentic_problems: int  # SFT problems per family and effort of agent / coding
-    levels: tuple[int, ...] | None  # general levels in SFT (None: 1-3)
+    levels: tuple[int, ...] | None  # general levels in SFT, RL, MOPD and eval (None: 1-3): what SFT taught is asked
     sft_steps: int | None  # None: sft_epochs passes over the data
     sft_epochs: int
     sft_batch: int
@@ -73,6 +73,7 @@ class Profile:
     rl_prompts: int
     rl_group: int
     rl_general: tuple[int, int, int] | None  # (steps, prompts, group) for general teachers: rollouts ~10x cheaper
+    rl_temperature: float  # RL sampling (log-probs at the same temperature): below 1 where T = 1 solves ~nothing
     rl_lr: float
     mopd_steps: int
     mopd_prompts: int
@@ -99,7 +100,7 @@ PROFILES = {
                     sft_steps=2, sft_epochs=1, sft_batch=2, sft_grad_accum=1,
                     sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
                     sft_overflow="truncate",
-                    rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5, rl_general=None,
+                    rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5, rl_general=None, rl_temperature=1.0,
                     mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
                     response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
@@ -118,7 +119,7 @@ PROFILES = {
                      sft_steps=None, sft_epochs=5, sft_batch=1, sft_grad_accum=1,
                      sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
                      sft_overflow="truncate",
-                     rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5, rl_general=None,
+                     rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5, rl_general=None, rl_temperature=1.0,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
                      response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
@@ -134,7 +135,7 @@ PROFILES = {
                     sft_steps=None, sft_epochs=6, sft_batch=1, sft_grad_accum=1,
                     sft_seq_len=2048, agentic_seq_len=4096, sft_lr=2e-3,
                     sft_overflow="drop",
-                    rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5, rl_general=(20, 8, 8),
+                    rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5, rl_general=(20, 8, 8), rl_temperature=0.7,
                     mopd_steps=12, mopd_prompts=9, mopd_lr=3e-5, mopd_think_cap=768,
                     eval_n=32, eval_samples=1, eval_temperature=0.0, eval_think_cap=768,
                     response_cap=1024, max_turns=6, max_model_len=2048, agentic_max_model_len=8192,
@@ -149,7 +150,7 @@ PROFILES = {
                          sft_seq_len=2048, agentic_seq_len=8192, sft_lr=5e-4,
                          sft_overflow="drop",
                          rl_steps=20, rl_prompts=4, rl_group=8, rl_lr=1e-5,
-                         rl_general=None,
+                         rl_general=None, rl_temperature=1.0,
                          mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
                          eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
                          response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
@@ -398,7 +399,8 @@ class Pipeline:
         cfg = RLConfig(model=str(start), domain=domain, effort=effort, steps=steps, prompts_per_step=prompts,
                        group_size=group, lr=p.rl_lr, budget_from_effort=previous, response_cap=p.response_cap,
                        max_turns=p.max_turns, seed=self.seed, save_every=p.save_every or steps,
-                       max_model_len=self.context((domain,)), micro_tokens=p.micro_tokens)
+                       max_model_len=self.context((domain,)), micro_tokens=p.micro_tokens,
+                       levels=p.levels if domain == "general" else None, temperature=p.rl_temperature)
         last = rl(cfg, teacher_dir(self.out, cell))
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reward", "over_budget_rate", "think_mean")}}
 
@@ -415,7 +417,8 @@ class Pipeline:
                          steps=p.mopd_steps, prompts_per_step=p.mopd_prompts, lr=p.mopd_lr,
                          response_cap=p.response_cap, think_cap=p.mopd_think_cap, seed=self.seed,
                          max_turns=p.max_turns, save_every=p.save_every or p.mopd_steps,
-                         max_model_len=self.context(self.domains), micro_tokens=p.micro_tokens)
+                         max_model_len=self.context(self.domains), micro_tokens=p.micro_tokens,
+                         levels=p.levels)
         last = distill(cfg, self.out / "student")
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reverse_kl", "clipped_frac", "think_mean")}}
 
@@ -438,7 +441,7 @@ class Pipeline:
                   *(f"{c}={path}" for c, path in self.teachers().items())]
         argv = ["--models", *models, "--out", str(self.out / "eval"), "--cells", ",".join(self.domains),
                 "--n", str(p.eval_n), "--samples", str(p.eval_samples), "--temperature", str(p.eval_temperature),
-                "--seed", str(self.seed),
+                "--seed", str(self.seed), "--levels", ",".join(map(str, p.levels)) if p.levels else "all",
                 "--response-cap", str(p.response_cap), "--max-turns", str(p.max_turns), "--max-num-seqs", "64",
                 "--teacher-metrics", *(f"{c}={path}/metrics.jsonl" for c, path in self.teachers().items()),
                 "--mopd-metrics", str(self.out / "student" / "metrics.jsonl")]

@@ -89,6 +89,7 @@ class RLConfig:
     anneal_fraction: float = 0.5
     b_floor: int = B_FLOOR
     split: str = "train"
+    levels: tuple[int, ...] | None = None  # general: the difficulty levels drawn (None: all; the pipeline: SFT's)
     # loop
     seed: int = 0
     grad_clip: float | None = 1.0
@@ -122,6 +123,9 @@ class RLConfig:
                                               or not isinstance(self.micro_tokens, int) or self.micro_tokens < 2):
             raise bad("micro_tokens", "an integer >= 2 or None")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
+        from openk3.posttrain.general import check_levels
+
+        object.__setattr__(self, "levels", check_levels(self.levels, "rl levels"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -332,7 +336,7 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     budget = BudgetConfig(b_floor=cfg.b_floor, anneal_fraction=cfg.anneal_fraction)
     source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
                            budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
-                           sandbox_options=sandbox_options)
+                           sandbox_options=sandbox_options, levels=cfg.levels)
     slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
     engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
     roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)

@@ -66,7 +66,9 @@ class ProblemSource:
 
     def __init__(self, domain: str, effort: str, tokenizer, *, split: str = "train", seed: int = 0,
                  budget: BudgetConfig | None = None, budget_from: str | None = None, max_turns: int = 8,
-                 sandbox_options: dict | None = None) -> None:
+                 sandbox_options: dict | None = None, levels=None) -> None:
+        from openk3.posttrain.general import check_levels
+
         if domain not in DOMAINS:
             raise ValueError(f"rl domain must be one of {list(DOMAINS)}, got {domain!r}")
         for name, value in (("effort", effort), ("budget_from", budget_from)):
@@ -77,6 +79,8 @@ class ProblemSource:
         self.domain, self.effort, self.tok, self.split, self.seed = domain, effort, tokenizer, split, seed
         self.budget, self.budget_from = budget or BudgetConfig(), budget_from
         self.max_turns, self.sandbox_options = max_turns, dict(sandbox_options or {})
+        # general only: the difficulty levels drawn (SFT's, so RL and eval ask what SFT taught); None: all
+        self.levels = check_levels(levels, "levels")
 
     def budget_at(self, reference: int, step: int, total_steps: int) -> int:
         b_to = self.budget.budget(reference, self.effort)
@@ -110,7 +114,8 @@ class ProblemSource:
         from openk3.posttrain.general import FAMILIES, generate, to_records
 
         families = sorted(FAMILIES)
-        problem = generate(families[k % len(families)], seed, self.split)
+        level = None if self.levels is None else random.Random(f"level|{seed}").choice(self.levels)
+        problem = generate(families[k % len(families)], seed, self.split, level)
         record = next(r for r in to_records(problem, self.tok, self.budget) if r["effort"] == self.effort)
         reference = record["stats"]["reference_think_tokens"]
         prompt = record["messages"][:1]
