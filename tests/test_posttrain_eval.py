@@ -288,6 +288,31 @@ def test_gap_closed_per_cell():
     assert plots.gap_closed({"student": models["student"]}) == {}  # no SFT: nothing to close
 
 
+def test_success_criteria_judge_the_issue_18_rules():
+    """Teachers beat SFT on their own cells, effort ordering for teachers (own cells) and student, recovery
+    >= 90 % of each teacher's gain (n/a where the teacher gained nothing); merged reported, not judged."""
+    models, checkpoints = full_models()  # sft 0.25, teachers 0.75, student 0.5 (50 %), merged 0.375 (25 %)
+    verdicts = {name: (met, detail) for name, met, detail in ev.success_criteria(models)}
+    assert verdicts["each teacher beats SFT on its own cell"] == (True, "9 of 9")
+    assert verdicts["teachers' think tokens low < high < max in every domain"][0] is True
+    assert verdicts["student's think tokens low < high < max in every domain"][0] is True
+    met, detail = verdicts["student recovers >= 90 % of each teacher's gain over SFT"]
+    assert met is False and "general/low 50 %" in detail
+    met, detail = verdicts["merged: share of each teacher's gain over SFT (reported)"]
+    assert met is None and "coding/max 25 %" in detail
+    models["student"] = synthetic_m({c: 0.75 for c in ev.CELLS} | {"agent/low": 0.6875}, 4)  # 0.6875: 87.5 %
+    assert ev.success_criteria(models)[3][1] is False
+    models["student"] = synthetic_m({c: 0.75 for c in ev.CELLS} | {"agent/low": 0.6875}, 4)
+    models["teachers"]["agent/low"] = synthetic_m(0.25, 4)  # no gain there: n/a, and that teacher fails rule 1
+    crit = ev.success_criteria(models)
+    assert crit[0][1] is False and "not: agent/low" in crit[0][2]
+    assert crit[3][1] is True and "agent/low n/a" in crit[3][2]
+    models["teachers"]["coding/high"] = synthetic_m(0.75, 40)  # thinks more than coding/max's teacher
+    assert "coding no" in ev.success_criteria(models)[1][2]
+    text = ev.report_markdown(models, checkpoints)
+    assert "## Success criteria (issue 18)" in text and "| each teacher beats SFT on its own cell | no |" in text
+
+
 def write_metrics(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)

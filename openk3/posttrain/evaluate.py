@@ -378,6 +378,50 @@ def effort_ordering(m: dict) -> dict[str, bool | None]:
     return out
 
 
+def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
+    """Issue 18's success criteria for a full report, as (criterion, met (None: cannot be judged), detail):
+    every teacher beats SFT on its own cell; think tokens strictly ordered low < high < max in every domain,
+    for the teachers (each on its own cell) and for the student; the student recovers >= 90 % of each
+    teacher's accuracy gain over SFT on its cell (cells where the teacher gained nothing cannot be judged).
+    The merged model's recovery is reported beside the student's, not judged."""
+    sft, teachers = models.get("sft") or {}, models.get("teachers") or {}
+    own = {c: _cell(m, *c.split("/")) for c, m in teachers.items()}
+    base = {c: _cell(sft, *c.split("/")) for c in own}
+    pairs = {c: (own[c]["accuracy"], base[c]["accuracy"]) for c in own if own[c] and base[c]}
+    out: list[tuple[str, bool | None, str]] = []
+    beats = [c for c, (t, s) in pairs.items() if t > s]
+    out.append(("each teacher beats SFT on its own cell", (len(beats) == len(pairs)) if pairs else None,
+                f"{len(beats)} of {len(pairs)}" + (f"; not: {', '.join(c for c in pairs if c not in beats)}"
+                                                  if len(beats) < len(pairs) else "")))
+    ordered = {}
+    for d in DOMAINS:
+        cells = [own.get(f"{d}/{e}") for e in THINKING_EFFORTS]
+        if all(cells):
+            ordered[d] = all(a["thinking_tokens"] < b["thinking_tokens"] for a, b in zip(cells, cells[1:]))
+    out.append(("teachers' think tokens low < high < max in every domain", all(ordered.values()) if ordered else None,
+                ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in ordered.items())))
+    student = {d: v for d, v in effort_ordering(models.get("student") or {}).items() if v is not None}
+    out.append(("student's think tokens low < high < max in every domain", all(student.values()) if student else None,
+                ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in student.items())))
+    for label in ("student", "merged"):
+        m = models.get(label) or {}
+        shares, judged = [], []
+        for c, (t, s) in pairs.items():
+            got = _cell(m, *c.split("/"))
+            if got is None:
+                continue
+            if t > s:
+                share = (got["accuracy"] - s) / (t - s)
+                judged.append(share >= 0.9)
+                shares.append(f"{c} {100 * share:.0f} %")
+            else:
+                shares.append(f"{c} n/a")
+        verdict = (all(judged) if judged else None) if label == "student" else None
+        out.append((f"{label} recovers >= 90 % of each teacher's gain over SFT" if label == "student"
+                    else "merged: share of each teacher's gain over SFT (reported)", verdict, ", ".join(shares)))
+    return out
+
+
 def report_markdown(models: dict, checkpoints: dict, settings: dict | None = None,
                     plots: Sequence[str] = ()) -> str:
     rows = model_rows(models)
@@ -398,6 +442,11 @@ def report_markdown(models: dict, checkpoints: dict, settings: dict | None = Non
         lines.append(f"| {label} | " + " | ".join({True: "yes", False: "no", None: "–"}[order.get(d)]
                                                  for d in DOMAINS) + " |")
     lines.append("")
+    if models.get("sft") and models.get("teachers"):
+        lines += ["## Success criteria (issue 18)", "", "| criterion | met | detail |", "|---|---|---|"]
+        for name, met, detail in success_criteria(models):
+            lines.append(f"| {name} | {({True: 'yes', False: 'no', None: 'cannot judge'})[met]} | {detail} |")
+        lines.append("")
     for label, m in rows:
         lines += [f"## {label}", ""]
         ckpt = _checkpoint_of(checkpoints, label)
