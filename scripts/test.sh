@@ -11,7 +11,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 workers=${OPENK3_TEST_WORKERS:-$(( cpus >= 2 ? 2 : 1 ))}
 if [ "$workers" -gt 1 ]; then
-  python -m pytest -n "$workers" "$@"
+  # worksteal: an idle worker takes queued tests from a busy one, so a few long tests (compiled graphs,
+  # torchrun launches) at the end of one worker's share do not leave the other idle
+  python -m pytest -n "$workers" --dist worksteal "$@"
 else
   python -m pytest "$@"
 fi
