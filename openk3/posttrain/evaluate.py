@@ -393,32 +393,32 @@ def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
     out.append(("each teacher beats SFT on its own cell", (len(beats) == len(pairs)) if pairs else None,
                 f"{len(beats)} of {len(pairs)}" + (f"; not: {', '.join(c for c in pairs if c not in beats)}"
                                                   if len(beats) < len(pairs) else "")))
-    ordered = {}
-    for d in DOMAINS:
-        cells = [own.get(f"{d}/{e}") for e in THINKING_EFFORTS]
-        if all(cells):
-            ordered[d] = all(a["thinking_tokens"] < b["thinking_tokens"] for a, b in zip(cells, cells[1:]))
-    out.append(("teachers' think tokens low < high < max in every domain", all(ordered.values()) if ordered else None,
-                ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in ordered.items())))
-    student = {d: v for d, v in effort_ordering(models.get("student") or {}).items() if v is not None}
-    out.append(("student's think tokens low < high < max in every domain", all(student.values()) if student else None,
-                ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in student.items())))
-    for label in ("student", "merged"):
-        m = models.get(label) or {}
-        shares, judged = [], []
+    teachers_m: dict = {}  # an M of each teacher on its own cell, so `effort_ordering` reads it
+    for c, cell in own.items():
+        if cell is not None:
+            d, e = c.split("/")
+            teachers_m.setdefault(d, {})[e] = cell
+    for who, m in (("teachers'", teachers_m), ("student's", models.get("student") or {})):
+        ordered = {d: v for d, v in effort_ordering(m).items() if v is not None}
+        out.append((f"{who} think tokens low < high < max in every domain", all(ordered.values()) if ordered else None,
+                    ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in ordered.items())))
+
+    def recovered(m: dict) -> tuple[list[bool], str]:  # per cell with a teacher gain: share >= 90 %; the text
+        judged, shares = [], []
         for c, (t, s) in pairs.items():
             got = _cell(m, *c.split("/"))
-            if got is None:
-                continue
-            if t > s:
+            if got is not None and t > s:
                 share = (got["accuracy"] - s) / (t - s)
                 judged.append(share >= 0.9)
                 shares.append(f"{c} {100 * share:.0f} %")
-            else:
+            elif got is not None:
                 shares.append(f"{c} n/a")
-        verdict = (all(judged) if judged else None) if label == "student" else None
-        out.append((f"{label} recovers >= 90 % of each teacher's gain over SFT" if label == "student"
-                    else "merged: share of each teacher's gain over SFT (reported)", verdict, ", ".join(shares)))
+        return judged, ", ".join(shares)
+
+    judged, detail = recovered(models.get("student") or {})
+    out.append(("student recovers >= 90 % of each teacher's gain over SFT", all(judged) if judged else None, detail))
+    out.append(("merged: share of each teacher's gain over SFT (reported)", None,
+                recovered(models.get("merged") or {})[1]))
     return out
 
 

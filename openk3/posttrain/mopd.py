@@ -54,6 +54,7 @@ from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl import make_batch, masked_mean, policy_backward, token_logprobs
 from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
 from openk3.posttrain.run import (
+    check_micro_tokens,
     check_router_biases,
     open_run,
     optimizer_for,
@@ -171,9 +172,7 @@ class MOPDConfig:
             raise bad("lr", "> 0")
         if not self.adv_floor >= 0:
             raise bad("adv_floor", ">= 0")
-        if self.micro_tokens is not None and (isinstance(self.micro_tokens, bool)
-                                              or not isinstance(self.micro_tokens, int) or self.micro_tokens < 2):
-            raise bad("micro_tokens", "an integer >= 2 or None")
+        check_micro_tokens(self.micro_tokens, "mopd")
         if self.alpha and self.group_size < 2:
             raise ValueError(f"mopd alpha={self.alpha!r} mixes an outcome advantage against the group mean: "
                              f"it needs group_size >= 2, got {self.group_size}")

@@ -46,6 +46,7 @@ from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl_problems import ProblemSource
 from openk3.posttrain.rollout import RESPONSE_CAP, RolloutConfig, rollout
 from openk3.posttrain.run import (
+    check_micro_tokens,
     check_router_biases,
     open_run,
     optimizer_for,
@@ -119,9 +120,7 @@ class RLConfig:
                 raise bad(field, "> 0")
         if not 0 < self.anneal_fraction <= 1:
             raise bad("anneal_fraction", "in (0, 1]")
-        if self.micro_tokens is not None and (isinstance(self.micro_tokens, bool)
-                                              or not isinstance(self.micro_tokens, int) or self.micro_tokens < 2):
-            raise bad("micro_tokens", "an integer >= 2 or None")
+        check_micro_tokens(self.micro_tokens, "rl")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
         from openk3.posttrain.general import check_levels
 

@@ -34,6 +34,12 @@ class RunStart:
     state: dict | None  # the trainer state to restore (None for a new run)
 
 
+def check_micro_tokens(value, where: str) -> None:
+    """`micro_tokens` of an RL / MOPD config: None (the whole batch at once) or an integer >= 2."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+        raise ValueError(f"{where} micro_tokens must be an integer >= 2 or None, got {value!r}")
+
+
 def say(tag: str, msg: str) -> None:
     print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
 
