@@ -116,6 +116,35 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert (out / "report.json").read_bytes() == before
 
 
+@pytest.mark.slow  # about 85 s on one thread, 52 of them evaluation: 6 models x 3 cells x 16 sandboxed episodes
+def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_path, capsys):
+    from openk3.agent import unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(f"no sandbox on this host: {unavailable_reason()}")
+    out = tmp_path / "pt"
+    assert run_command("--preset", "nano", "--out", str(out), "--profile", "tiny", "--domains", "coding",
+                       "--threads", "1") == 0
+    assert list(stage_lines(capsys.readouterr().out)) == ["base", "data", "sft", "teacher coding/max",
+                                                          "teacher coding/high", "teacher coding/low", "mopd",
+                                                          "merge", "eval"]
+    report = json.loads((out / "report.json").read_text())
+    assert contract_problems(report, ("coding",)) == []
+    models = report["models"]
+    assert set(models["teachers"]) == {f"coding/{e}" for e in THINKING_EFFORTS}
+    for m in [models[k] for k in ("sft", "student", "merged")] + list(models["teachers"].values()):
+        assert set(m) == {"coding"} and set(m["coding"]) == set(THINKING_EFFORTS)
+        assert all(c["n"] >= MIN_N and "invalid_tool_calls" in c and c["turns"] >= 1 for c in m["coding"].values())
+    for folder in [report["checkpoints"][k] for k in ("sft", "student", "merged")]:
+        assert openk3.load(folder).config.vocab_size <= 2048
+    state = json.loads((out / "pipeline.json").read_text())
+    # the coding records (tool declarations alone ~1,200 tokens) fit the profile's agentic context with their
+    # first assistant turn: at 1,024 every one of them was cut before it and SFT had nothing to learn
+    assert state["stages"]["sft"]["settings"]["conversations"] == state["stages"]["data"]["settings"]["records"]
+    think = state["stages"]["data"]["settings"]["think_tokens_mean"]
+    assert think["coding/low"] < think["coding/high"] < think["coding/max"]
+
+
 def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
     out = tmp_path / "pt"
     # "killed" after SFT: the next run must not redo base, data or SFT

@@ -94,11 +94,12 @@ class Profile:
 
 
 PROFILES = {
-    # tests: seconds per stage; general prompts are 360-510 byte tokens, so 600 leaves ~100 generated ones
+    # tests: seconds per stage; general prompts are 360-510 byte tokens, so 600 leaves ~100 generated ones; SFT rows
+    # of 2,048 for agent / coding (their tool declarations alone are ~1,200 tokens: at 1,024 no assistant turn fit)
     "tiny": Profile(name="tiny", vocab_size=2048, layers=4,
                     general_problems=2, agentic_problems=1, levels=(1,),
                     sft_steps=2, sft_epochs=1, sft_batch=2, sft_grad_accum=1,
-                    sft_seq_len=1024, agentic_seq_len=1024, sft_lr=2e-4,
+                    sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-4,
                     sft_overflow="truncate",
                     rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5, rl_general=None, rl_temperature=1.0,
                     mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
