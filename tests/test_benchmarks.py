@@ -9,6 +9,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -48,6 +49,18 @@ def test_bench_linear_layout_runs(tmp_path):
     steps = [r for r in rows if "step_us" in r]
     assert [r["batch"] for r in steps] == [1, 3] and all(r["step_us"]["column-major"] > 0 for r in steps)
     assert sum(r["linears"] for r in rows if r.get("batch") == 1 and "linears" in r) > 30
+
+
+def test_bench_linear_layout_bf16_reduce_contenders_run_and_agree():
+    import bench_linear_layout
+
+    # one shape, compiled both ways; bench_shape raises if the bf16 reduce disagrees with float32 linears on the
+    # same bf16 values
+    r = bench_linear_layout.bench_shape(96, 40, 1, copies=2, repeats=1, dtype=torch.float32, bf16_reduce=True)
+    assert set(r["us"]) == {"row-major", "column-major", "column-major, compiled", "bf16 reduce, compiled"}
+    assert all(v > 0 for v in r["us"].values()) and r["bf16_speedup"] > 0
+    with pytest.raises(ValueError, match="--dtype float32"):
+        bench_linear_layout.bench_shape(8, 8, 1, copies=1, repeats=1, dtype=torch.float64, bf16_reduce=True)
 
 
 def test_bench_serve_runs(tmp_path, capsys):
