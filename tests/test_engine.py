@@ -8,6 +8,9 @@ join and leave between steps and slots get compacted.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from helpers import assert_close
@@ -358,6 +361,43 @@ def test_logprobs_equal_a_full_forward_float64_in_a_mixed_batch(model64):
             assert abs(lp - ref[j, out.token_ids[j]].item()) < 1e-9
             order = torch.argsort(ref[j], descending=True)[:k].tolist()
             assert [i for i, _ in top] == order and all(abs(v - ref[j, i].item()) < 1e-9 for i, v in top)
+
+
+def test_processed_logprobs_are_of_the_distribution_each_token_was_drawn_from(model64):
+    """logprobs_mode="processed": the entries are log_softmax of the sampling logits (repetition penalty,
+    temperature, top-k, top-p applied; -inf outside the kept set), float64 here, in a batch mixed with raw and
+    greedy rows; the tokens are the same as without log-probs. Greedy rows stay raw."""
+    from openk3.infer.sample import sampling_logits
+
+    ps = prompts(4, (5, 9, 12, 7))
+    settings = [dict(temperature=0.7, logprobs_mode="processed"),
+                dict(temperature=0.5, top_k=6, top_p=0.9, repetition_penalty=1.3, logprobs_mode="processed"),
+                dict(temperature=0.7),  # raw: ignores the temperature
+                dict(temperature=0, logprobs_mode="processed")]
+    sp = [SamplingParams(seed=5 + i, max_tokens=6, logprobs=3, **kw) for i, kw in enumerate(settings)]
+    got = Engine(model64, max_num_seqs=4, prefill_chunk=16).generate(ps, sp, ignore_eos=True)
+    plain = Engine(model64, max_num_seqs=4, prefill_chunk=16).generate(
+        ps, [dataclasses.replace(s, logprobs=None) for s in sp], ignore_eos=True)
+    for p, s, out, ref_out in zip(ps, sp, got, plain, strict=True):
+        assert out.token_ids == ref_out.token_ids
+        with torch.no_grad():  # one full float64 forward: row j holds the logits that drew out[j]
+            logits = model64(torch.tensor([p + out.token_ids]))[0, len(p) - 1:len(p) - 1 + len(out.token_ids)]
+        raw = torch.log_softmax(logits.double(), -1)
+        for j, (lp, top) in enumerate(out.logprobs):
+            if s.logprobs_mode == "processed":  # the penalty is not shift-invariant: from the logits themselves
+                want = torch.log_softmax(sampling_logits(logits[j], s, p + out.token_ids[:j]), -1)
+            else:
+                want = raw[j]
+            assert abs(lp - want[out.token_ids[j]].item()) < 1e-9
+            order = torch.argsort(want, descending=True, stable=True)[:3].tolist()
+            assert [i for i, _ in top] == order and all(abs(v - want[i].item()) < 1e-9 for i, v in top)
+        assert all(math.isfinite(lp) for lp, _ in out.logprobs)  # every drawn token is inside its kept set
+    # a tempered row's processed entries differ from the raw ones of the same tokens
+    raw0 = reference_logprobs(model64, ps[0], got[0].token_ids)
+    gaps = [abs(lp - raw0[j, t].item()) for j, ((lp, _), t) in enumerate(zip(got[0].logprobs, got[0].token_ids))]
+    assert max(gaps) > 1e-3
+    with pytest.raises(ValueError, match="logprobs_mode must be one of 'raw', 'processed'"):
+        SamplingParams(logprobs=0, logprobs_mode="logits")
 
 
 def test_logprobs_through_the_eager_decode_graph(model64):

@@ -46,8 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--is-bounds", type=float, nargs=2, default=d.is_bounds, metavar=("LOW", "HIGH"),
                    help=f"grpo: the importance weights' band (default {d.is_bounds[0]} {d.is_bounds[1]})")
     p.add_argument("--temperature", type=float, default=d.temperature,
-                   help="sampling temperature; the trainer scores at the same one (default 1.0; another value "
-                        "asks the engine for the whole distribution per token)")
+                   help="sampling temperature; the trainer scores at the same one (default 1.0)")
     p.add_argument("--response-cap", type=int, default=d.response_cap,
                    help=f"tokens per turn after the think channel; more is a format failure (default {d.response_cap})")
     p.add_argument("--max-turns", type=int, default=d.max_turns, help=f"agent/coding turns (default {d.max_turns})")

@@ -29,7 +29,7 @@ import torch
 from openk3.infer.detok import TextStream
 from openk3.infer.graph import DecodeGraph
 from openk3.infer.prefix import PrefixCache
-from openk3.infer.sample import SamplingParams, make_generator, sample_next, token_logprobs
+from openk3.infer.sample import SamplingParams, make_generator, sample_next, sampling_logits, token_logprobs
 from openk3.model.cache import DenseCache, SlotCache
 
 
@@ -269,6 +269,13 @@ class Engine:
         out: list = [None] * len(reqs)
         if rows:
             picked = logits_nV if len(rows) == len(reqs) else logits_nV[rows]
+            processed = [j for j, i in enumerate(rows) if reqs[i].params.logprobs_mode == "processed"]
+            if processed:  # these rows' entries describe the distribution each token was drawn from
+                picked = picked.to(torch.promote_types(picked.dtype, torch.float32), copy=True)
+                for j in processed:
+                    r = reqs[rows[j]]
+                    seen = r.prompt + r.out if r.params.repetition_penalty != 1.0 else ()
+                    picked[j] = sampling_logits(picked[j], r.params, seen)
             entries = token_logprobs(picked, [toks[i] for i in rows], [reqs[i].params.logprobs for i in rows])
             for i, e in zip(rows, entries, strict=True):
                 out[i] = e

@@ -18,6 +18,7 @@ import torch
 #: A temperature below this samples greedily (vLLM's _SAMPLING_EPS); the least repetition penalty.
 MIN_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
+LOGPROBS_MODES = ("raw", "processed")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,7 +26,10 @@ class SamplingParams:
     """Per-request sampling settings. temperature=0 means greedy; top_k=0, top_p=1, min_p=0 and
     repetition_penalty=1 are "off"; seed=None draws a random seed. logprobs=None returns no log
     probabilities; k >= 0 returns, per generated token, its log probability and the k most likely
-    tokens' (`token_logprobs`)."""
+    tokens' (`token_logprobs`). logprobs_mode: "raw" (the model's log_softmax, whatever the sampling
+    settings; vLLM's default) or "processed" (of the distribution the token was drawn from: repetition
+    penalty, temperature and the top-k/top-p/min-p filters applied, `sampling_logits`; greedy rows stay
+    raw), which is what an RL trainer's importance correction needs."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -36,6 +40,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -62,6 +67,8 @@ class SamplingParams:
         if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
                                           or self.logprobs < 0):
             raise bad("logprobs", "None or an int >= 0")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise bad("logprobs_mode", f"one of {', '.join(map(repr, LOGPROBS_MODES))}")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property
@@ -143,6 +150,22 @@ def filter_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tenso
     x = _mask_top_p(x, params.top_p)
     x = _mask_min_p(x, params.min_p)
     return x
+
+
+def sampling_logits(logits_V: torch.Tensor, params: SamplingParams,
+                    seen_ids: Iterable[int] | torch.Tensor = ()) -> torch.Tensor:
+    """The logits whose softmax `sample_next` draws from (repetition penalty, temperature, top-k/top-p/min-p;
+    dropped entries -inf), kept in the logits' precision (at least float32), for `logprobs_mode="processed"`.
+    Greedy params: the logits after the repetition penalty alone."""
+    dtype = torch.promote_types(logits_V.dtype, torch.float32)
+    x = logits_V.to(dtype)
+    if params.repetition_penalty != 1.0:
+        x = apply_repetition_penalty(x, seen_ids, params.repetition_penalty).to(dtype)
+    if params.greedy:
+        return x
+    if params.temperature != 1.0:
+        x = x / params.temperature
+    return _mask_min_p(_mask_top_p(_mask_top_k(x, params.top_k), params.top_p), params.min_p)
 
 
 def sample_next(

@@ -32,7 +32,6 @@ or the env's end: submit | stop | max_steps | max_tool_seconds | sandbox_error),
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,8 +81,8 @@ class RolloutConfig:
     seed: int = 0  # turn t of sample k of problem i draws with the seed sample_seed(seed, i, k, t)
     extra_stop_ids: tuple[int, ...] = ()  # ids that end a turn besides the tokenizer's stop ids
     over_budget_reward: float = OVER_BUDGET_REWARD
-    # behaviour log-probs per sampled token (RL's importance correction needs them); eval turns them off:
-    # away from temperature 1 each costs a pass over the whole vocabulary in Python
+    # behaviour log-probs per sampled token (RL's importance correction needs them; the engine's "processed"
+    # log-probs, temperature applied); eval turns them off
     logprobs: bool = True
 
     def __post_init__(self) -> None:
@@ -136,9 +135,6 @@ class Sampler:
         self.close_id = tokenizer.special_ids[CLOSE]
         self.think_open = [tokenizer.special_ids[OPEN], *tokenizer.encode("think"), tokenizer.special_ids[SEP]]
         self.stop_ids = frozenset(tokenizer.stop_ids) | frozenset(cfg.extra_stop_ids)
-        # The engine reports raw (temperature-1) log-probs; at another temperature the whole distribution
-        # is needed to renormalise p^(1/T), which is costly at a real vocabulary (an ablation only).
-        self.full_dist = cfg.logprobs and cfg.temperature != 1.0
         self.live: dict[str, _Episode] = {}
         self.aborted = False
         # with the engine's prefix cache: shared prompt heads are prefilled once and a next turn continues
@@ -155,8 +151,8 @@ class Sampler:
         max_tokens = (max(left, 0) + 1 if ep.in_think else 0) + self.cfg.response_cap + 1
         params = SamplingParams(temperature=self.cfg.temperature, top_p=1.0, max_tokens=max_tokens,
                                 seed=sample_seed(self.cfg.seed, ep.index, ep.sample, ep.turns),
-                                logprobs=(self.engine.cfg.vocab_size if self.full_dist else 0) if self.cfg.logprobs
-                                else None)
+                                # the behaviour policy's log-prob: of p^(1/T) renormalised, computed in the engine
+                                logprobs=0 if self.cfg.logprobs else None, logprobs_mode="processed")
         rid = f"{ep.key}/t{ep.turns}"
         hints = {}
         if self.snapshots:
@@ -178,17 +174,8 @@ class Sampler:
         ep.ids.append(tok)
         ep.gen_mask.append(1)
         if entry is not None:
-            ep.logprobs.append(self._logprob(entry))
+            ep.logprobs.append(float(entry[0]))
         self._stop_rules(ep, tok)
-
-    def _logprob(self, entry) -> float:
-        logprob, top = entry
-        if self.full_dist:  # log p_T(y) = raw_y / T - logsumexp(raw / T); raw = log-softmax of the logits
-            t = self.cfg.temperature
-            lse = max(v for _, v in top) / t
-            lse += math.log(sum(math.exp(v / t - lse) for _, v in top))
-            logprob = logprob / t - lse
-        return float(logprob)
 
     def _stop_rules(self, ep: _Episode, tok: int) -> None:
         if tok in self.stop_ids:
