@@ -158,6 +158,12 @@ def test_rollout_at_another_temperature_records_the_tempered_logprobs():
     mask = batch["mask_BT"]
     torch.testing.assert_close(tempered[mask], batch["behaviour_BT"][mask], atol=2e-4, rtol=0)
     assert (raw[mask] - batch["behaviour_BT"][mask]).abs().max() > 1e-2  # not the raw ones
+    # below the engine's greedy threshold there is no tempered behaviour policy to record; eval (no log-probs)
+    # may use such a temperature to get the argmax
+    for bad in (0.0, -1.0, 5e-6):
+        with pytest.raises(ValueError, match="rollout temperature must be"):
+            RolloutConfig(temperature=bad)
+    assert RolloutConfig(temperature=5e-6, logprobs=False).temperature == 5e-6
 
 
 def test_budget_stop_fires_at_b_plus_1_with_reward_minus_1():

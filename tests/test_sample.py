@@ -15,7 +15,7 @@ from openk3.infer import (
     sample_batch,
     sample_next,
 )
-from openk3.infer.sample import token_logprobs
+from openk3.infer.sample import sampling_logits, token_logprobs
 
 NEG_INF = float("-inf")
 
@@ -294,3 +294,48 @@ def test_tiny_temperature_is_greedy_and_tiny_repetition_penalty_is_refused():
     with pytest.raises(ValueError, match="repetition_penalty must be >= 0.01"):
         SamplingParams(repetition_penalty=0.005)
     SamplingParams(repetition_penalty=0.01)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=0.5, top_k=7, top_p=0.8, min_p=0.05,
+                                                            repetition_penalty=1.3),
+                                dict(temperature=1.0, min_p=0.2), dict(temperature=0, repetition_penalty=1.5),
+                                dict(temperature=0)])
+def test_sampling_logits_are_what_the_sampler_draws_from(dtype, kw):
+    """The "processed" log-probs' logits equal the sampler's own composition, filter_logits after the repetition
+    penalty (fp32), for every filter, in fp32 and bf16; greedy: after the penalty alone (raw without one)."""
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(97, generator=g)).to(dtype)
+    seen = [1, 5, 5, 40, 96]
+    params = SamplingParams(seed=1, **kw)
+    got = sampling_logits(logits, params, seen)
+    penalised = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    want = penalised if params.greedy else filter_logits(penalised, params)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    if kw.get("top_k"):
+        assert int(torch.isfinite(got).sum()) <= 7
+    # every token the sampler draws has a finite processed log-prob
+    drawn = {sample_next(logits, params, torch.Generator().manual_seed(s), seen) for s in range(40)}
+    assert all(math.isfinite(torch.log_softmax(got, -1)[t].item()) for t in drawn)
+
+
+def test_sampling_logits_keep_float64_values_and_the_fp32_kept_set():
+    """A float64 row keeps float64 values (the penalty too), but which tokens survive the filters is decided
+    in fp32 as the sampler decides it: two logits 1e-12 apart are one tie in fp32, and top_k=1 keeps the
+    lower id there; in float64 the other is larger. The drawn token must not get -inf."""
+    params = SamplingParams(temperature=0.7, top_k=1, seed=0)
+    disagreements = 0
+    for logits in (torch.tensor([1.0, 1.0 + 1e-12, -3.0, 0.25], dtype=torch.float64),
+                   torch.tensor([1.0 + 1e-12, 1.0, -3.0, 0.25], dtype=torch.float64)):
+        tok = sample_next(logits, params, torch.Generator().manual_seed(0))
+        got = sampling_logits(logits, params)
+        kept32 = torch.isfinite(filter_logits(logits.float(), params))
+        assert got.dtype == torch.float64 and torch.equal(torch.isfinite(got), kept32)
+        assert math.isfinite(got[tok].item()) and got[tok].item() == logits[tok].item() / 0.7
+        disagreements += int(torch.argmax(logits).item() != tok)  # float64 alone would have kept the other
+    assert disagreements == 1  # one of the two orders is the case float64 alone gets wrong
+    pen = SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=0)
+    x = torch.tensor([2.0, -1.0, 0.1], dtype=torch.float64) / 3
+    got = sampling_logits(x, pen, [0, 1])
+    want = torch.stack([x[0] / 1.3, x[1] * 1.3, x[2]]) / 0.7
+    assert got.dtype == torch.float64 and torch.equal(got, want)

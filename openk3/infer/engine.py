@@ -43,8 +43,9 @@ class RequestOutput:
 
     `logprobs` / `delta_logprobs` (None unless the request's `SamplingParams.logprobs` is set): one entry
     per token of `token_ids` / `delta_token_ids`, `(logprob, [(id, logprob), ...])`: the token's log
-    probability and the k most likely tokens', as `sample.token_logprobs` computes them (the model's raw
-    distribution, before penalties, temperature and filters).
+    probability and the k most likely tokens', as `sample.token_logprobs` computes them: of the model's raw
+    distribution (before penalties, temperature and filters), or with `logprobs_mode="processed"` of the
+    distribution the token was drawn from (`sample.sampling_logits`).
     """
 
     request_id: str

@@ -2,8 +2,9 @@
 
 Order of operations for one row of logits (the HF `generate` convention):
 repetition penalty -> (greedy argmax if temperature == 0) -> temperature -> top-k -> top-p -> min-p ->
-softmax -> one multinomial draw from the request's own `torch.Generator`. Everything is computed in fp32;
-masked entries are -inf. Each request owns its generator, so its tokens depend only on its seed and its
+softmax -> one multinomial draw from the request's own `torch.Generator`. Sampling is computed in fp32;
+masked entries are -inf (`sampling_logits`, for "processed" log-probs, keeps the logits' precision but the
+sampler's fp32 kept set). Each request owns its generator, so its tokens depend only on its seed and its
 logits, never on which other requests share the batch.
 """
 
@@ -28,8 +29,9 @@ class SamplingParams:
     probabilities; k >= 0 returns, per generated token, its log probability and the k most likely
     tokens' (`token_logprobs`). logprobs_mode: "raw" (the model's log_softmax, whatever the sampling
     settings; vLLM's default) or "processed" (of the distribution the token was drawn from: repetition
-    penalty, temperature and the top-k/top-p/min-p filters applied, `sampling_logits`; greedy rows stay
-    raw), which is what an RL trainer's importance correction needs."""
+    penalty, temperature and the top-k/top-p/min-p filters applied, `sampling_logits`; a greedy row gets
+    its logits after the repetition penalty alone, raw when it has none), which is what an RL trainer's
+    importance correction needs."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -94,11 +96,13 @@ def _ids(seen_ids: Iterable[int] | torch.Tensor, device: torch.device) -> torch.
 
 
 def apply_repetition_penalty(
-    logits_V: torch.Tensor, seen_ids: Iterable[int] | torch.Tensor, penalty: float
+    logits_V: torch.Tensor, seen_ids: Iterable[int] | torch.Tensor, penalty: float,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """CTRL / HF repetition penalty: for each distinct seen token, a positive logit is divided by `penalty`
-    and a negative one multiplied by it. Returns a new fp32 tensor; the input is left untouched."""
-    out = logits_V.float().clone()
+    and a negative one multiplied by it. Returns a new tensor of `dtype` (fp32, as the sampler computes);
+    the input is left untouched."""
+    out = logits_V.to(dtype=dtype, copy=True)
     if penalty == 1.0:
         return out
     ids = _ids(seen_ids, out.device)
@@ -155,17 +159,18 @@ def filter_logits(logits_V: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def sampling_logits(logits_V: torch.Tensor, params: SamplingParams,
                     seen_ids: Iterable[int] | torch.Tensor = ()) -> torch.Tensor:
     """The logits whose softmax `sample_next` draws from (repetition penalty, temperature, top-k/top-p/min-p;
-    dropped entries -inf), kept in the logits' precision (at least float32), for `logprobs_mode="processed"`.
-    Greedy params: the logits after the repetition penalty alone."""
+    dropped entries -inf), for `logprobs_mode="processed"`. The values keep the logits' precision (at least
+    fp32); the kept set is the sampler's own, decided in fp32 (a float64 tie that fp32 rounds together must
+    not drop the token the sampler drew). Greedy params: the logits after the repetition penalty alone."""
     dtype = torch.promote_types(logits_V.dtype, torch.float32)
-    x = logits_V.to(dtype)
-    if params.repetition_penalty != 1.0:
-        x = apply_repetition_penalty(x, seen_ids, params.repetition_penalty).to(dtype)
+    x = apply_repetition_penalty(logits_V, seen_ids, params.repetition_penalty, dtype=dtype)
     if params.greedy:
         return x
+    kept = filter_logits(x.float() if dtype == torch.float32 else
+                         apply_repetition_penalty(logits_V, seen_ids, params.repetition_penalty), params)
     if params.temperature != 1.0:
         x = x / params.temperature
-    return _mask_min_p(_mask_top_p(_mask_top_k(x, params.top_k), params.top_p), params.min_p)
+    return x.masked_fill(kept == float("-inf"), float("-inf"))
 
 
 def sample_next(
@@ -188,9 +193,9 @@ def sample_next(
 def token_logprobs(logits_nV: torch.Tensor, token_ids: Sequence[int], k: Sequence[int]
                    ) -> list[tuple[float, list[tuple[int, float]]]]:
     """Per row: (log probability of `token_ids[i]`, the `k[i]` most likely (id, log probability) pairs, most
-    likely first; equal values by lowest id). These are the model's raw log probabilities, log_softmax of
-    the logits before repetition penalty, temperature and the top-k/top-p/min-p filters (vLLM's default
-    `raw_logprobs`): they say what the model predicts, whatever the request's sampling settings."""
+    likely first; equal values by lowest id), log_softmax of the rows given. The engine gives it the raw
+    logits (vLLM's default `raw_logprobs`: what the model predicts, whatever the request's sampling
+    settings), or `sampling_logits` for a request with logprobs_mode="processed"."""
     if logits_nV.dim() != 2 or not len(token_ids) == len(k) == logits_nV.shape[0]:
         raise ValueError(f"token_logprobs: logits of shape {tuple(logits_nV.shape)} for {len(token_ids)} tokens "
                          f"and {len(k)} k values")

@@ -38,7 +38,7 @@ from typing import Any
 
 from openk3.chat import CLOSE, OPEN, SEP, parse_tokens
 from openk3.chat.parse import marker_ids_of
-from openk3.infer.sample import SamplingParams
+from openk3.infer.sample import MIN_TEMPERATURE, SamplingParams
 from openk3.posttrain.budget import OVER_BUDGET_REWARD, budget_reward, should_stop
 
 #: The per-turn cap on tokens after the think channel closes (response and tool calls): generous (an
@@ -91,6 +91,10 @@ class RolloutConfig:
         if not self.temperature > 0:
             raise ValueError(f"rollout temperature must be > 0 (RL samples; greedy has no behaviour policy to "
                              f"correct for), got {self.temperature!r}")
+        if self.logprobs and self.temperature < MIN_TEMPERATURE:  # the engine samples greedily below it (as
+            # vLLM), so no tempered behaviour log-prob exists; eval (logprobs off) uses a tiny T for argmax
+            raise ValueError(f"rollout temperature must be >= {MIN_TEMPERATURE} when behaviour log-probs are "
+                             f"recorded (below it sampling is greedy), got {self.temperature!r}")
         if isinstance(self.response_cap, bool) or not isinstance(self.response_cap, int) or self.response_cap < 1:
             raise ValueError(f"rollout response_cap must be an int >= 1, got {self.response_cap!r}")
 
