@@ -65,7 +65,7 @@ def bench_shape(d_in: int, d_out: int, batch: int, copies: int, repeats: int, dt
         ya, yb = F.linear(x, a), F.linear(x, b)
         if ((ya - yb).abs().max() / ya.abs().max()).item() > 1e-5:  # summation order may differ
             raise RuntimeError(f"the two layouts disagree at {d_in} -> {d_out}")
-    fns = {"row-major": lambda: [F.linear(x, w) for w in rows], "column-major": lambda: [F.linear(x, w) for w in cols]}
+    fns = {"row-major": lambda: _linears(x, rows), "column-major": lambda: _linears(x, cols)}
     if bf16_reduce:
         if dtype != torch.float32:
             raise ValueError("--bf16-reduce compares against float32 linears: use --dtype float32")

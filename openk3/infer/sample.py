@@ -166,8 +166,10 @@ def sampling_logits(logits_V: torch.Tensor, params: SamplingParams,
     x = apply_repetition_penalty(logits_V, seen_ids, params.repetition_penalty, dtype=dtype)
     if params.greedy:
         return x
-    kept = filter_logits(x.float() if dtype == torch.float32 else
+    kept = filter_logits(x if dtype == torch.float32 else
                          apply_repetition_penalty(logits_V, seen_ids, params.repetition_penalty), params)
+    if dtype == torch.float32:  # the sampler's own fp32 logits are already the answer
+        return kept
     if params.temperature != 1.0:
         x = x / params.temperature
     return x.masked_fill(kept == float("-inf"), float("-inf"))
