@@ -2,13 +2,16 @@
 
     python tests/parallel_worker.py OUT.pt [steps]                                      # one process
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt [steps] [LAYOUT] [N]
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/parallel_worker.py OUT.pt steps LAYOUT:N ...
 
 LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2), "replicate" (parallel.dp_replicate = world size:
 HSDP with shard groups of one), "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
 spread over the ranks, the rest FSDP2) or "pp" (parallel.pp = world size: pipeline stages at AttnRes block
 boundaries, N micro-batches through torch's schedule); a "-bf16" suffix trains under bf16 autocast (the trainer's
 mixed precision: fp32 parameters and islands, bf16 matmuls) instead of fp32, "bf16" alone in one process.
-N: micro-batches per step on each rank (grad_accum, default 1).
+N: micro-batches per step on each rank (grad_accum, default 1). Several LAYOUT:N runs one after another in the
+same processes (one launch, one process group; a fresh model, mesh and trainer each): OUT.pt then holds
+{"LAYOUT:N": result, ...}.
 
 nano in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing, on synthetic global batches of
 packed rows whose loss-token counts differ from row to row (so the global normalisation matters). Rank 0
@@ -22,6 +25,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 from openk3.common import setup_cpu
 from openk3.config import preset
@@ -53,7 +57,10 @@ def batches(steps: int, vocab: int) -> list[dict]:
     return out
 
 
-def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 1) -> None:
+def run(out_path: str | None, steps: int = 3, layout: str = "shard", grad_accum: int = 1,
+        close: bool = True) -> dict:
+    """One run; rank 0 writes its result to `out_path` (if given) and every rank returns it. `close=False`
+    keeps the process group for a next run."""
     setup_cpu(1)
     world, _, _ = world_from_env()
     layout, bf16 = layout.removesuffix("-bf16"), layout.endswith("bf16")
@@ -83,17 +90,34 @@ def run(out_path: str, steps: int = 3, layout: str = "shard", grad_accum: int = 
     params = {n: full_tensor(p).detach().clone() for n, p in model.named_parameters()}
     biases = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     trainer.close()
-    if mesh.is_main:
-        torch.save({"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world,
-                    "dispatched": dispatched, "local_experts": local_experts,
-                    "stages": None if trainer.pipeline is None else [list(b) for b in trainer.pipeline.bounds]},
-                   out_path)
-    mesh.close()
+    result = {"losses": losses, "grad_norms": norms, "params": params, "biases": biases, "world": world,
+              "dispatched": dispatched, "local_experts": local_experts,
+              "stages": None if trainer.pipeline is None else [list(b) for b in trainer.pipeline.bounds]}
+    if mesh.is_main and out_path is not None:
+        torch.save(result, out_path)
+    if close:
+        mesh.close()
+    elif mesh.distributed:  # the next run builds its own mesh on the same process group
+        dist.barrier()
+    return result
+
+
+def run_many(out_path: str, steps: int, specs: list[str]) -> None:
+    """`LAYOUT:N` runs in turn in these processes; rank 0 writes {spec: result} to `out_path`."""
+    results = {}
+    for i, spec in enumerate(specs):
+        layout, _, accum = spec.partition(":")
+        results[spec] = run(None, steps, layout, int(accum or 1), close=i == len(specs) - 1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(results, out_path)
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "shard",
-        int(sys.argv[4]) if len(sys.argv) > 4 else 1)
+    if len(sys.argv) > 3 and ":" in sys.argv[3]:
+        run_many(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
+    else:
+        run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3, sys.argv[3] if len(sys.argv) > 3 else "shard",
+            int(sys.argv[4]) if len(sys.argv) > 4 else 1)
     # the interpreter's teardown can abort after a clean destroy_process_group under load (ep_layer_worker.py)
     sys.stdout.flush()
     sys.stderr.flush()

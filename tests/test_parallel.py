@@ -91,13 +91,16 @@ def test_what_data_parallelism_does_not_do_yet_is_refused():
 # ---- 2 processes == 1 process -------------------------------------------------------------------------
 
 def _run(out: Path, world: int, layout: str = "shard", steps: int = 3, accum: int = 1) -> dict:
+    """parallel_worker.py on `world` processes: one run, or with `layout` as space-separated LAYOUT:N specs,
+    those runs in turn in the same processes ({spec: result})."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
+    args = [str(out), str(steps), *layout.split()] if ":" in layout else [str(out), str(steps), layout, str(accum)]
     if world == 1:
-        cmd = [sys.executable, str(WORKER), str(out), str(steps), layout, str(accum)]
+        cmd = [sys.executable, str(WORKER), *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               str(WORKER), str(out), str(steps), layout, str(accum)]
+               str(WORKER), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
@@ -132,24 +135,32 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
         ParallelConfig(dp_shard=2).check(2, batch_size=6, grad_accum=2)
 
 
-@pytest.mark.slow  # three torchrun launches of 2 processes (~6 s each on 2 CPUs)
-@pytest.mark.parametrize("layout,accum", [("shard", 1), ("replicate", 1), ("ep", 1), ("ep", 2), ("pp", 1),
-                                          ("pp", 2)])
-def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path, layout, accum):
+LAYOUTS = ("shard:1", "replicate:1", "ep:1", "ep:2", "pp:1", "pp:2")
+
+
+@pytest.mark.slow  # one torchrun launch of 2 processes running the six layouts in turn (~20 s on 2 CPUs)
+def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path):
     """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), expert parallelism (ep=2: 16 of the 32 experts per rank,
     the rest FSDP2; with 1 and 2 micro-batches: the FSDP2 parameters accumulate there too) and pipeline stages (pp=2:
     layers 0-2 and 3-8, the AttnRes bank crossing; GPipe with 1 micro-batch, 1F1B with 2) on 2 gloo processes,
     nano in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient
-    norms, parameters and QB biases equal the single process on the same global batches."""
-    got = _run(tmp_path / "w2.pt", 2, layout, accum=accum)
-    assert got["world"] == 2 and single["world"] == 1
-    assert_same_run(single, got)
-    assert single["dispatched"] == 0 and single["local_experts"] == [32] * 8
-    if layout == "ep":  # each of the 8 MoE layers once per micro-batch and step
-        assert got["dispatched"] == 8 * 3 * accum and got["local_experts"] == [16] * 8
-    else:
-        assert got["dispatched"] == 0
-    assert got["stages"] == ([[0, 3], [3, 9]] if layout == "pp" else None)
+    norms, parameters and QB biases equal the single process on the same global batches. (The layouts run one
+    after another in the same two processes, each with a fresh model, mesh and trainer: one launch instead of six.)"""
+    runs = _run(tmp_path / "w2.pt", 2, " ".join(LAYOUTS))
+    assert list(runs) == list(LAYOUTS)
+    assert single["dispatched"] == 0 and single["local_experts"] == [32] * 8 and single["world"] == 1
+    for spec, got in runs.items():
+        layout, accum = spec.split(":")[0], int(spec.split(":")[1])
+        try:
+            assert got["world"] == 2
+            assert_same_run(single, got)
+            if layout == "ep":  # each of the 8 MoE layers once per micro-batch and step
+                assert got["dispatched"] == 8 * 3 * accum and got["local_experts"] == [16] * 8
+            else:
+                assert got["dispatched"] == 0
+            assert got["stages"] == ([[0, 3], [3, 9]] if layout == "pp" else None)
+        except AssertionError as e:
+            raise AssertionError(f"layout {spec}: {e}") from e
 
 
 @pytest.fixture(scope="module")
