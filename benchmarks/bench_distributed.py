@@ -5,9 +5,10 @@ the trainer communicate.
     python benchmarks/bench_distributed.py                          # nano, 2 ranks vs 1, 4 rows x 256 per rank
     python benchmarks/bench_distributed.py --preset small --rows 2 --seq-len 512 --steps 6 --json out.json
 
-The script launches itself: once as one process, then twice under `torch.distributed.run --standalone
---nproc_per_node N` (gloo on CPU, one thread per rank as torchrun sets it): FSDP2 alone (parallel.dp_shard=N)
-and with expert parallelism (parallel.ep=N: each rank keeps E/N whole experts, tokens travel to them).
+The script launches itself: once as one process, then once under `torch.distributed.run --standalone
+--nproc_per_node N` (gloo on CPU, one thread per rank as torchrun sets it), whose processes run FSDP2 alone
+(parallel.dp_shard=N) and then with expert parallelism (parallel.ep=N: each rank keeps E/N whole experts,
+tokens travel to them), each with a fresh model, mesh and trainer on the one process group.
 Each run trains `--steps` steps of `--rows` rows per rank (so N ranks train N times the tokens per step) on
 random ids with the default optimizers and Quantile Balancing; the first `--warmup` steps are not timed.
 Reported: median step time, global tokens/s, the speed-up (N-rank tokens/s / 1-rank tokens/s) and the
@@ -41,7 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def worker(args: argparse.Namespace) -> None:
-    """One run (this process is one rank, or the only one); rank 0 writes the step times to args.out."""
+    """The runs of `args.layout` (comma-separated "shard" / "ep"), one after another in this process (one rank,
+    or the only one); rank 0 writes {layout: step times} to args.out."""
     import torch
 
     from openk3.common import setup_cpu
@@ -57,32 +59,35 @@ def worker(args: argparse.Namespace) -> None:
 
     setup_cpu(1)
     world = world_from_env()[0]
-    cfg = TrainConfig(model=preset(args.preset), batch_size=args.rows * world, seq_len=args.seq_len,
-                      max_steps=args.steps + args.warmup, warmup=1,
-                      parallel=ParallelConfig(dp_shard=world, ep=world if args.layout == "ep" else 1))
-    mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)
-    model = K3ForCausalLM.build(cfg.model, seed=0)
-    apply_ep(model, mesh)
-    apply_fsdp(model, mesh)
-    opt = build_optimizer(model, cfg.optim)
-    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
-                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-    trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for step in range(args.steps + args.warmup):
-        ids = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
-        batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1), "seg": None}
-        mesh.barrier()
-        t0 = time.perf_counter()
-        trainer.train_step(batch)
-        mesh.barrier()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    trainer.close()
+    results, mesh = {}, None
+    for layout in args.layout.split(","):
+        cfg = TrainConfig(model=preset(args.preset), batch_size=args.rows * world, seq_len=args.seq_len,
+                          max_steps=args.steps + args.warmup, warmup=1,
+                          parallel=ParallelConfig(dp_shard=world, ep=world if layout == "ep" else 1))
+        mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)  # joins the process group the first time
+        model = K3ForCausalLM.build(cfg.model, seed=0)
+        apply_ep(model, mesh)
+        apply_fsdp(model, mesh)
+        opt = build_optimizer(model, cfg.optim)
+        schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
+                              min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
+        trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
+        g = torch.Generator().manual_seed(0)
+        times = []
+        for step in range(args.steps + args.warmup):
+            ids = torch.randint(0, cfg.model.vocab_size, (cfg.batch_size, cfg.seq_len), generator=g)
+            batch = {"input_ids": ids, "labels": torch.roll(ids, -1, dims=1), "seg": None}
+            mesh.barrier()
+            t0 = time.perf_counter()
+            trainer.train_step(batch)
+            mesh.barrier()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        trainer.close()
+        results[layout] = {"world": world, "times": times, "tokens_per_step": cfg.batch_size * cfg.seq_len}
     if mesh.is_main:
         with open(args.out, "w") as f:
-            json.dump({"world": world, "times": times, "tokens_per_step": cfg.batch_size * cfg.seq_len}, f)
+            json.dump(results, f)
     mesh.close()
 
 
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: run one rank, write here
-    p.add_argument("--layout", default="shard", help=argparse.SUPPRESS)  # internal: "shard" or "ep"
+    p.add_argument("--layout", default="shard", help=argparse.SUPPRESS)  # internal: "shard", "ep" or "shard,ep"
     args = p.parse_args(argv)
     if args.worker is not None:
         args.out = args.worker
@@ -133,22 +138,24 @@ def main(argv: list[str] | None = None) -> dict:
               "--steps", str(args.steps), "--warmup", str(args.warmup)]
     from openk3.config import preset
 
-    layouts = [(1, "shard"), (args.ranks, "shard")]
+    launches = [(1, ["shard"]), (args.ranks, ["shard"])]
     if preset(args.preset).num_experts % args.ranks == 0:
-        layouts.append((args.ranks, "ep"))
+        launches[1][1].append("ep")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for world, layout in layouts:
-            out = os.path.join(tmp, f"w{world}-{layout}.json")
+        for world, layouts in launches:
+            out = os.path.join(tmp, f"w{world}.json")
             launch = [sys.executable] if world == 1 else \
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-            run([*launch, here, *common, "--layout", layout, "--worker", out])
+            run([*launch, here, *common, "--layout", ",".join(layouts), "--worker", out])
             with open(out) as f:
-                r = json.load(f)
-            step = statistics.median(r["times"])
-            rows.append({"world": world, "layout": "one process" if world == 1 else
-                         {"shard": "FSDP2", "ep": "FSDP2 + EP"}[layout], "step_s": step,
-                         "tokens_per_s": r["tokens_per_step"] / step, "tokens_per_step": r["tokens_per_step"]})
+                results = json.load(f)
+            for layout in layouts:
+                r = results[layout]
+                step = statistics.median(r["times"])
+                rows.append({"world": world, "layout": "one process" if world == 1 else
+                             {"shard": "FSDP2", "ep": "FSDP2 + EP"}[layout], "step_s": step,
+                             "tokens_per_s": r["tokens_per_step"] / step, "tokens_per_step": r["tokens_per_step"]})
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
         r["comm_bytes_per_rank_step"] = comm_bytes(args.preset, r["world"], args.rows * args.seq_len,
