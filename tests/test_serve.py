@@ -351,6 +351,41 @@ def test_completions_logprobs_equal_a_direct_computation(client, model, tok):
     assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
 
 
+def test_processed_logprobs_mode_reports_the_distribution_each_token_was_drawn_from(model, tok):
+    """`create_app(..., logprobs_mode="processed")` (`openk3 serve --logprobs-mode processed`): a sampled chat's
+    entries are log_softmax of the logits after temperature and top-k, from a full forward (what an RL
+    trainer's importance ratio needs), not the raw distribution the default reports."""
+    from openk3.chat import encode_segments, render
+    from openk3.infer.sample import SamplingParams, sampling_logits
+
+    with pytest.raises(ValueError, match="logprobs_mode must be one of raw, processed, got 'cooked'"):
+        create_app(Engine(model, tok, max_num_seqs=1), served_model_name=MODEL, logprobs_mode="cooked")
+    app = create_app(Engine(model, tok, max_num_seqs=2), served_model_name=MODEL, logprobs_mode="processed")
+    msgs = user("hello")
+    with served(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as c:
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0.7, seed=3,
+                                      logprobs=True, extra_body={"top_k": 5})
+        legacy = c.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0.7, seed=3,
+                                      logprobs=0, extra_body={"top_k": 5}).choices[0].logprobs.token_logprobs
+    # the legacy route too: the engine's own processed entries for the same seeded request
+    (final,) = Engine(model, tok, max_num_seqs=1).generate([[5, 6, 7]], SamplingParams(
+        temperature=0.7, top_k=5, seed=3, max_tokens=6, logprobs=0, logprobs_mode="processed"))
+    assert len(legacy) == len(final.logprobs) >= 1
+    assert legacy == pytest.approx([e[0] for e in final.logprobs], abs=1e-6)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    out = _ids_of(tok, [bytes(e.bytes) for e in content])
+    prompt = encode_segments(render({"messages": msgs}), tok).ids
+    logits = model(torch.tensor([prompt + out]))[0, len(prompt) - 1:len(prompt) - 1 + len(out)].double()
+    params = SamplingParams(temperature=0.7, top_k=5)
+    raw_gap = 0.0
+    for j, e in enumerate(content):
+        processed = torch.log_softmax(sampling_logits(logits[j], params), dim=-1)
+        assert abs(e.logprob - processed[out[j]].item()) < 1e-4, (j, e.logprob, processed[out[j]].item())
+        raw_gap = max(raw_gap, e.logprob - torch.log_softmax(logits[j], dim=-1)[out[j]].item())
+    assert raw_gap > 0.05  # the raw distribution gives the drawn tokens less mass: the mode changed what is reported
+
+
 def test_logprobs_bounds_are_400s_naming_the_field(server):
     url, _ = server
     chat, comp = url + "/v1/chat/completions", url + "/v1/completions"
@@ -623,8 +658,10 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
     # a failure to load, in the engine process, is the same error the command reports (not a traceback)
     with pytest.raises((ValueError, OSError), match="nothing"):
         cmd.build_server(parser.parse_args([str(tmp_path / "nothing")]))
-    server = cmd.build_server(parser.parse_args([str(ckpt), "--engine-in-thread", "--max-num-seqs", "3"]))
+    server = cmd.build_server(parser.parse_args([str(ckpt), "--engine-in-thread", "--max-num-seqs", "3",
+                                                 "--logprobs-mode", "processed"]))
     assert server.config.app.state.openk3.engine.max_num_seqs == 3  # the twin: the engine in this process
+    assert server.config.app.state.openk3.logprobs_mode == "processed" and app.state.openk3.logprobs_mode == "raw"
 
 
 

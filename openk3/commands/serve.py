@@ -52,6 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (slow first requests, then fewer ms/token; docs/benchmarks.md)")
     p.add_argument("--keep-packed", action="store_true", help="keep MXFP4 experts packed in memory")
+    # infer.sample.LOGPROBS_MODES, spelled out: parsing the command line imports no torch (create_app checks)
+    p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
+                   help="what requested logprobs describe: raw (the model's distribution, as OpenAI reports; "
+                        "default) or processed (the distribution each token was drawn from, after the penalty, "
+                        "temperature and top-k/top-p/min-p: what an RL trainer's importance ratio needs)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the HTTP process instead of a process of its own (slower: "
                         "the two then share one interpreter lock; docs/serving.md)")
@@ -97,7 +102,7 @@ def build_server(args: argparse.Namespace):
                               compile=args.compile, keep_packed=args.keep_packed)
     name = args.served_model_name or Path(args.model).resolve().name
     app = create_app(build, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     engine_in_thread=args.engine_in_thread, threads=args.threads)
+                     engine_in_thread=args.engine_in_thread, threads=args.threads, logprobs_mode=args.logprobs_mode)
     if not _loopback(args.host):
         log.warning("listening on %s: reachable from other machines%s", args.host,
                     "" if args.api_key else " by anyone (no --api-key)")

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from openk3.infer.engine import Engine
+from openk3.infer.sample import LOGPROBS_MODES
 from openk3.serve import chat, completions
 from openk3.serve.errors import APIError, bad_request, install_handlers
 from openk3.serve.loop import EngineLoop
@@ -95,16 +96,22 @@ class ServerState:
     vocab_size: int
     max_model_len: int
     engine: Engine | None = None  # the engine object when it runs in this process (a thread), else None
+    logprobs_mode: str = "raw"  # what a request's logprobs describe (`SamplingParams.logprobs_mode`)
 
 
 def create_app(engine_source, served_model_name: str = "openk3", api_key: str | None = None,
-               max_queue: int = 256, *, engine_in_thread: bool = False, threads: int | None = None) -> FastAPI:
+               max_queue: int = 256, *, engine_in_thread: bool = False, threads: int | None = None,
+               logprobs_mode: str = "raw") -> FastAPI:
     """The app over an engine: `engine_source` is a builder (a picklable callable returning an `openk3.LLM`
     or an `Engine` with a tokenizer: run in an engine process unless `engine_in_thread`), or an `LLM` or
     `Engine` already built (run in a thread).
 
     max_queue: requests admitted beyond the engine's `max_num_seqs` running ones; one more is a 429.
     threads: torch threads of the engine process (`setup_cpu`; None: its default).
+    logprobs_mode: what the `logprobs` of every request describe: "raw" (the model's distribution, as the
+        OpenAI API reports) or "processed" (the distribution each token was drawn from: after the penalty,
+        temperature, top-k/top-p/min-p; what an RL trainer's importance ratio needs; vLLM's
+        `--logprobs-mode processed_logprobs`).
     """
     if not served_model_name:
         raise ValueError("served_model_name must not be empty")
@@ -112,6 +119,8 @@ def create_app(engine_source, served_model_name: str = "openk3", api_key: str | 
         raise ValueError("api_key must not be empty (None disables the check)")
     if max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
     static = _static_files()
     metrics = Metrics(served_model_name)
     built = getattr(engine_source, "engine", engine_source)
@@ -124,11 +133,11 @@ def create_app(engine_source, served_model_name: str = "openk3", api_key: str | 
             raise ValueError("the server needs a tokenizer: give the LLM or Engine one")
         loop = EngineLoop(built, metrics, max_queue=max_queue)
         state = ServerState(loop, metrics, served_model_name, api_key, int(time.time()), built.tok,
-                            built.cfg.vocab_size, built.max_model_len, built)
+                            built.cfg.vocab_size, built.max_model_len, built, logprobs_mode)
     elif callable(engine_source):
         proc = EngineProcess(engine_source, metrics, max_queue=max_queue, threads=threads)
         state = ServerState(proc, metrics, served_model_name, api_key, int(time.time()), proc.info.tok,
-                            proc.info.vocab_size, proc.info.max_model_len)
+                            proc.info.vocab_size, proc.info.max_model_len, None, logprobs_mode)
     else:
         raise TypeError("create_app needs an openk3.LLM, an Engine, or a builder of one, got "
                         f"{type(engine_source).__name__}")

@@ -261,7 +261,7 @@ def prepare(state, body: dict) -> dict:
         prompt = encode_segments(render(request), state.tok).ids
     except ValueError as e:
         raise bad_request(str(e), param="messages" if str(e).startswith("messages") else None) from None
-    common.params = replace(common.params, logprobs=protocol.chat_logprobs(body))
+    common.params = replace(common.params, logprobs=protocol.chat_logprobs(body), logprobs_mode=state.logprobs_mode)
     params = common.capped(len(prompt), state.max_model_len, "messages")
     return {"common": common, "prompt": prompt, "thinking": thinking, "params": params,
             "tool_choice": tool_choice, "parallel": protocol.boolean(body, "parallel_tool_calls", True),

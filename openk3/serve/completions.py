@@ -54,7 +54,7 @@ def prepare(state, body: dict) -> dict:
         # The legacy API then scores the prompt tokens too: prompt log probabilities are not implemented.
         raise bad_request("echo with logprobs (log probabilities of the prompt tokens) is not supported",
                           param="echo", code="unsupported_field")
-    common.params = replace(common.params, logprobs=logprobs)
+    common.params = replace(common.params, logprobs=logprobs, logprobs_mode=state.logprobs_mode)
     prompts = _prompts(body, state)
     params = [common.capped(len(p), state.max_model_len, "prompt") for p in prompts]
     requests = [(p, sp) for p, base in zip(prompts, params, strict=True)
