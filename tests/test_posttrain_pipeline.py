@@ -143,6 +143,18 @@ def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_pat
     assert state["stages"]["sft"]["settings"]["conversations"] == state["stages"]["data"]["settings"]["records"]
     think = state["stages"]["data"]["settings"]["think_tokens_mean"]
     assert think["coding/low"] < think["coding/high"] < think["coding/max"]
+    # scripts/effort_probe.py on the student: the three renderings of a coding problem, each scored
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("effort_probe",
+                                                  Path(__file__).parents[1] / "scripts" / "effort_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    (row,) = probe.main([report["checkpoints"]["student"], "--domains", "coding", "--n", "1"])
+    assert row["no tools"]["length"] < row["short instruction"]["length"] < row["as evaluated"]["length"]
+    assert all(0 <= v <= 1 for name in ("as evaluated", "no tools", "short instruction")
+               for v in row[name]["tv"].values())
 
 
 def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
