@@ -30,6 +30,7 @@ routed experts), the arithmetic printed beside the measurement:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -85,6 +86,9 @@ def worker(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
         trainer.close()
         results[layout] = {"world": world, "times": times, "tokens_per_step": cfg.batch_size * cfg.seq_len}
+        del trainer, opt, schedule, model  # the next layout is built without this one's model and optimizer state
+        gc.collect()
+        mesh.barrier()
     if mesh.is_main:
         with open(args.out, "w") as f:
             json.dump(results, f)

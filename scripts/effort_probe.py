@@ -7,8 +7,10 @@ system message, the task's instruction as the user message), the total variation
 first-think-token distributions at two efforts (low-high, low-max, high-max), for three renderings: as
 evaluated; without the tool declarations (a much shorter context, the same distance from the effort message
 to the think token); with the tool declarations and the instruction cut to its first `--chars` characters
-(the same long context, a short distance). A model that reads the effort wherever it is gives large distances
-in every row; one that reads it only when it is recent, in the last row only.
+(the same long context, a short distance); and that cut instruction followed by neutral filler sentences as
+long as the rest of the instruction (the cut's content, the original distance: the control that tells distance
+from content). A model that reads the effort wherever it is gives large distances in every row; one that reads
+it only when it is recent, in the short-instruction row only.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import sys
 
 EFFORTS = ("low", "high", "max")
+FILLER = "Take care to keep the existing behaviour. "  # neutral text: no effort, numbers or task content
+RENDERINGS = ("as evaluated", "no tools", "short instruction", "short + filler")
 PAIRS = (("low", "high"), ("low", "max"), ("high", "max"))
 
 
@@ -55,8 +59,10 @@ def main(argv: list[str]) -> list[dict]:
                 obs = env.reset()
             instruction = next(m["content"] for m in obs.messages if m["role"] == "user")
             row = {"domain": domain, "family": task.family}
-            for name, tools, text in (("as evaluated", obs.tools, instruction), ("no tools", [], instruction),
-                                      ("short instruction", obs.tools, instruction[:args.chars])):
+            cut = instruction[:args.chars]
+            filler = (FILLER * (len(instruction) // len(FILLER) + 1))[:max(0, len(instruction) - len(cut) - 1)]
+            for name, tools, text in zip(RENDERINGS, (obs.tools, [], obs.tools, obs.tools),
+                                         (instruction, instruction, cut, f"{cut} {filler}"), strict=True):
                 dist, length = {}, 0
                 for effort in EFFORTS:
                     ids = encode_segments(render({"messages": [{"role": "user", "content": text}], "tools": tools,

@@ -104,6 +104,8 @@ def run(out_path: str | None, steps: int = 3, layout: str = "shard", grad_accum:
 
 def run_many(out_path: str, steps: int, specs: list[str]) -> None:
     """`LAYOUT:N` runs in turn in these processes; rank 0 writes {spec: result} to `out_path`."""
+    if len(set(specs)) != len(specs):  # results are keyed by spec: a repeat would silently replace the first
+        raise ValueError(f"run_many: repeated specs in {specs}")
     results = {}
     for i, spec in enumerate(specs):
         layout, _, accum = spec.partition(":")

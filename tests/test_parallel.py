@@ -138,14 +138,16 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 LAYOUTS = ("shard:1", "replicate:1", "ep:1", "ep:2", "pp:1", "pp:2")
 
 
-@pytest.mark.slow  # one torchrun launch of 2 processes running the six layouts in turn (~20 s on 2 CPUs)
+@pytest.mark.slow  # one torchrun launch of 2 processes running the six layouts in turn (~17-20 s on 2 CPUs)
 def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path):
     """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), expert parallelism (ep=2: 16 of the 32 experts per rank,
     the rest FSDP2; with 1 and 2 micro-batches: the FSDP2 parameters accumulate there too) and pipeline stages (pp=2:
     layers 0-2 and 3-8, the AttnRes bank crossing; GPipe with 1 micro-batch, 1F1B with 2) on 2 gloo processes,
     nano in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient
     norms, parameters and QB biases equal the single process on the same global batches. (The layouts run one
-    after another in the same two processes, each with a fresh model, mesh and trainer: one launch instead of six.)"""
+    after another in the same two processes, each with a fresh model, mesh and trainer: one launch instead of six.
+    So only the first joins a fresh process group; EP and PP also start fresh launches in the mixed-precision
+    and resume tests.)"""
     runs = _run(tmp_path / "w2.pt", 2, " ".join(LAYOUTS))
     assert list(runs) == list(LAYOUTS)
     assert single["dispatched"] == 0 and single["local_experts"] == [32] * 8 and single["world"] == 1
@@ -214,7 +216,7 @@ def _losses(out: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-@pytest.mark.slow  # 2 one-process runs and 4 torchrun launches of nano, ~60 s on 2 CPUs
+@pytest.mark.slow  # 2 one-process runs and 4 torchrun launches of nano, ~45-60 s on 2 CPUs
 def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
     the same command line as one process: a run started on 2 processes with expert parallelism (optimizer state,
@@ -266,11 +268,13 @@ def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     assert abs(pp_losses[3] - _losses(one_then_pp)[3]) <= 1e-5 * abs(pp_losses[3])  # stages or shards
     ref = _losses(one)
     ref_w = dict(openk3.load(one / "checkpoints" / "step_000004", dtype="float32").named_parameters())
-    for run in (two_then_one, one_then_two, one_then_pp):
+    for run, resumed in ((two_then_one, [2]), (one_then_two, [2]), (one_then_pp, [2, 3])):
         got = _losses(run)
         assert len(got) == 4 and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, got, strict=True)), (ref, got)
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert sum(r["kind"] == "train" for r in lines) == 4  # rank 1 wrote nothing
+        # each leg resumed where it should (a leg that started over would log the same losses from step 1)
+        assert [r["step"] for r in lines if r["kind"] == "resume"] == resumed, (run.name, lines)
         w = dict(openk3.load(run / "checkpoints" / "step_000004", dtype="float32").named_parameters())
         worst = max((ref_w[k] - w[k]).abs().max().item() for k in ref_w)
         assert worst <= 1e-5, (run.name, worst)  # measured 1.1e-6 (2 -> 1) and 4.8e-7 (1 -> 2)

@@ -153,8 +153,8 @@ def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_pat
     spec.loader.exec_module(probe)
     (row,) = probe.main([report["checkpoints"]["student"], "--domains", "coding", "--n", "1"])
     assert row["no tools"]["length"] < row["short instruction"]["length"] < row["as evaluated"]["length"]
-    assert all(0 <= v <= 1 for name in ("as evaluated", "no tools", "short instruction")
-               for v in row[name]["tv"].values())
+    assert row["short instruction"]["length"] < row["short + filler"]["length"]
+    assert all(0 <= v <= 1 for name in probe.RENDERINGS for v in row[name]["tv"].values())
 
 
 def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="what requested logprobs describe: raw (the model's distribution, as OpenAI reports; "
                         "default) or processed (the distribution each token was drawn from, after the penalty, "
-                        "temperature and top-k/top-p/min-p: what an RL trainer's importance ratio needs)")
+                        "temperature and top-k/top-p/min-p: what an RL trainer's importance ratio needs; greedy "
+                        "requests: after the penalty alone)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the HTTP process instead of a process of its own (slower: "
                         "the two then share one interpreter lock; docs/serving.md)")

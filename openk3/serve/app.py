@@ -110,8 +110,8 @@ def create_app(engine_source, served_model_name: str = "openk3", api_key: str | 
     threads: torch threads of the engine process (`setup_cpu`; None: its default).
     logprobs_mode: what the `logprobs` of every request describe: "raw" (the model's distribution, as the
         OpenAI API reports) or "processed" (the distribution each token was drawn from: after the penalty,
-        temperature, top-k/top-p/min-p; what an RL trainer's importance ratio needs; vLLM's
-        `--logprobs-mode processed_logprobs`).
+        temperature, top-k/top-p/min-p; a greedy request's: after the penalty alone; what an RL trainer's
+        importance ratio needs; vLLM's `--logprobs-mode processed_logprobs`).
     """
     if not served_model_name:
         raise ValueError("served_model_name must not be empty")
