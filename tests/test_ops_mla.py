@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import assert_close
 
-from openk3.ops.mla import attention_mask, mla_attention_absorbed, mla_attention_naive
+from openk3.ops.mla import attention_mask, mla_attention_absorbed, mla_attention_causal, mla_attention_naive
 
 H, DN, DR, DV, C = 3, 8, 4, 6, 10
 
@@ -134,10 +134,17 @@ def test_per_document_attention_equals_the_masked_form(rows, min_mean, monkeypat
     from openk3.ops.mla import document_runs, mla_attention_documents
 
     monkeypatch.setattr(mla_module, "MIN_MEAN_DOCUMENT", min_mean)
-    calls = []
-    naive = mla_module.mla_attention_naive
-    monkeypatch.setattr(mla_module, "mla_attention_naive",
-                        lambda *a, **k: calls.append(a[0].shape[1]) or naive(*a, **k))
+    calls = []  # the lengths attended: per document (the causal form) or whole rows (the mask)
+    naive, causal = mla_module.mla_attention_naive, mla_module.mla_attention_causal
+
+    def counted_naive(*a, **k):
+        if k.get("mask_BTS") is not None and k["mask_BTS"].shape[-1] == T:  # a whole row under the mask
+            calls.append(T)
+        return naive(*a, **k)
+
+    monkeypatch.setattr(mla_module, "mla_attention_naive", counted_naive)
+    monkeypatch.setattr(mla_module, "mla_attention_causal",
+                        lambda *a, **k: calls.append(a[0].shape[1]) or causal(*a, **k))
 
     T = sum(rows[0])
     seg = torch.stack([torch.cat([torch.full((n,), i) for i, n in enumerate(r)]) for r in rows])
@@ -160,3 +167,34 @@ def test_per_document_attention_equals_the_masked_form(rows, min_mean, monkeypat
         masked = mla_attention_naive(q1, ckv1, kpe1, w1, v_head_dim=DV, scale=0.3,
                                      mask_BTS=attention_mask(T, T, doc_q_BT=down, doc_k_BS=down))
         assert torch.equal(mla_attention_documents(q1, ckv1, kpe1, w1, seg_BT=down, v_head_dim=DV, scale=0.3), masked)
+
+
+@pytest.mark.parametrize("T", [1, 2, 7, 13])
+def test_fused_causal_equals_naive(T, monkeypatch):
+    """`mla_attention_causal` (torch's fused attention, `is_causal=True`) against the naive form with the causal
+    mask, outputs and gradients in float64 at odd lengths; float32 within rounding. It takes the fused kernel
+    for float32/float64 outside autocast (T > 1) and the naive form under bf16 autocast and for bf16 inputs,
+    whose rounding points are the eager reference's."""
+    import torch.nn.functional as F
+
+    fused = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or sdpa(*a, **k))
+    q, ckv, kpe, w = _inputs(2, T, T, seed=T)
+    ref = mla_attention_naive(q, ckv, kpe, w, v_head_dim=DV, scale=0.3,
+                              mask_BTS=attention_mask(T, T) if T > 1 else None)
+    got = mla_attention_causal(q, ckv, kpe, w, v_head_dim=DV, scale=0.3)
+    assert len(fused) == (T > 1)
+    assert_close("out", ref, got, 1e-12)
+    grad = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), grad)
+    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), grad)
+    for name, a, b in zip("q ckv kpe w".split(), g_got, g_ref, strict=True):
+        assert_close(f"d{name}", b, a, 1e-12)
+    f32 = [t.detach().float() for t in (q, ckv, kpe, w)]
+    assert_close("fp32", ref.detach().float(), mla_attention_causal(*f32, v_head_dim=DV, scale=0.3), 1e-5)
+    fused.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mla_attention_causal(*f32, v_head_dim=DV, scale=0.3)
+    mla_attention_causal(*(t.bfloat16() for t in f32), v_head_dim=DV, scale=0.3)
+    assert fused == []  # bf16: the eager form

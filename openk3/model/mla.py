@@ -72,6 +72,9 @@ class GatedMLA(nn.Module):
             # get probability 0), at the cost of the squared document lengths instead of T^2
             o_BTHV = mla_ops.mla_attention_documents(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, seg_BT=seg_BT,
                                                      v_head_dim=self.dv, scale=self.scale)
+        elif state is None and impl == "naive":  # plain causal attention: the fused kernel where it is exact
+            o_BTHV = mla_ops.mla_attention_causal(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv,
+                                                  scale=self.scale)
         else:
             attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
             o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,

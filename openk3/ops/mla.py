@@ -70,6 +70,36 @@ def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: to
     return torch.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
 
 
+def fused_causal_ok(q_BTHD: torch.Tensor) -> bool:
+    """Whether `mla_attention_causal` may take torch's fused attention: float32 or float64 queries outside
+    autocast. Under bf16 (autocast or bf16 weights) the eager form's rounding points are the reference's
+    (spec §4.8: fp32 softmax, probabilities rounded to bf16 before P V; tests/test_peer_bf16.py), which the
+    fused kernel does not reproduce, so those keep the eager form."""
+    return q_BTHD.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(q_BTHD.device.type)
+
+
+def mla_attention_causal(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor, w_kv_b: torch.Tensor,
+                         *, v_head_dim: int, scale: float) -> torch.Tensor:
+    """`mla_attention_naive` with the causal mask of `attention_mask(T, T)` (every query sees the keys up to its
+    own position: training and a prefill from an empty cache), through `F.scaled_dot_product_attention` with
+    `is_causal=True` when `fused_causal_ok`: the same function without the [B, H, T, T] score and probability
+    tensors, fused forward and backward (fp32 fwd + bwd at nano's MLA shape, one thread: 1.4x at T = 512 and
+    2,048, 1.04x at 256). Same arguments and result as the naive form, which is its twin (tests/test_ops_mla.py:
+    outputs and gradients in float64, odd lengths) and what runs otherwise."""
+    B, T, H, D = q_BTHD.shape
+    if T == 1 or not fused_causal_ok(q_BTHD):
+        return mla_attention_naive(q_BTHD, ckv_BTC, kpe_BTR, w_kv_b, v_head_dim=v_head_dim, scale=scale,
+                                   mask_BTS=attention_mask(T, T, device=q_BTHD.device) if T > 1 else None)
+    Dr = kpe_BTR.shape[-1]
+    Dn = D - Dr
+    kv_BTHE = (ckv_BTC @ w_kv_b.t()).view(B, T, H, Dn + v_head_dim)
+    k_nope_BTHN, v_BTHV = kv_BTHE.split([Dn, v_head_dim], dim=-1)
+    k_BTHD = torch.cat([k_nope_BTHN, kpe_BTR[:, :, None, :].expand(B, T, H, Dr)], dim=-1)
+    o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+        q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHV.transpose(1, 2), is_causal=True, scale=scale)
+    return o_BHTV.transpose(1, 2)
+
+
 #: below this mean document length a packed row is attended with the block-diagonal mask (see below)
 MIN_MEAN_DOCUMENT = 32
 
@@ -106,9 +136,8 @@ def mla_attention_documents(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR
             rows.append(mla_attention_naive(q_BTHD[b:b + 1], ckv_BTC[b:b + 1], kpe_BTR[b:b + 1], w_kv_b,
                                             v_head_dim=v_head_dim, scale=scale, mask_BTS=mask))
             continue
-        parts = [mla_attention_naive(q_BTHD[b:b + 1, s:e], ckv_BTC[b:b + 1, s:e], kpe_BTR[b:b + 1, s:e], w_kv_b,
-                                     v_head_dim=v_head_dim, scale=scale,
-                                     mask_BTS=attention_mask(e - s, e - s, device=seg_BT.device) if e - s > 1 else None)
+        parts = [mla_attention_causal(q_BTHD[b:b + 1, s:e], ckv_BTC[b:b + 1, s:e], kpe_BTR[b:b + 1, s:e], w_kv_b,
+                                      v_head_dim=v_head_dim, scale=scale)
                  for s, e in runs]
         rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
     return rows[0] if len(rows) == 1 else torch.cat(rows, dim=0)
