@@ -148,7 +148,7 @@ def profile_openk3(model, ids, labels, step, repeats: int) -> None:
                 calls[_label].append((m, _detached(args), {k: _detached(v) for k, v in kwargs.items()}))
             hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
     targets = [(kda_ops, "kda", "  KDA op (chunked delta rule)"),
-               (mla_ops, "mla_attention_naive", "  MLA attention core"),
+               (mla_ops, "mla_attention_causal", "  MLA attention core"),  # fused, or the naive form inside it
                (moe_ops, "route", "  MoE router"), (moe_ops, "experts_grouped", "  MoE routed experts"),
                (model_mod, "attn_res_mix", "AttnRes mix")]
     with _capture_functions(targets, calls):

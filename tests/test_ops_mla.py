@@ -169,8 +169,9 @@ def test_per_document_attention_equals_the_masked_form(rows, min_mean, monkeypat
         assert torch.equal(mla_attention_documents(q1, ckv1, kpe1, w1, seg_BT=down, v_head_dim=DV, scale=0.3), masked)
 
 
-@pytest.mark.parametrize("T", [1, 2, 7, 13])
-def test_fused_causal_equals_naive(T, monkeypatch):
+@pytest.mark.parametrize("T", [1, 2, 7, 13, 300])
+@pytest.mark.parametrize("dv", [DV, DN + DR])  # narrower values (every preset: torch's math kernel); equal (flash)
+def test_fused_causal_equals_naive(T, dv, monkeypatch):
     """`mla_attention_causal` (torch's fused attention, `is_causal=True`) against the naive form with the causal
     mask, outputs and gradients in float64 at odd lengths; float32 within rounding. It takes the fused kernel
     for float32/float64 outside autocast (T > 1) and the naive form under bf16 autocast and for bf16 inputs,
@@ -181,9 +182,12 @@ def test_fused_causal_equals_naive(T, monkeypatch):
     sdpa = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: fused.append(1) or sdpa(*a, **k))
     q, ckv, kpe, w = _inputs(2, T, T, seed=T)
-    ref = mla_attention_naive(q, ckv, kpe, w, v_head_dim=DV, scale=0.3,
+    if dv != DV:  # kv_b_proj rows for wider value heads
+        w = torch.randn(H * (DN + dv), C, generator=torch.Generator().manual_seed(T), dtype=torch.float64) / C**0.5
+        w.requires_grad_()
+    ref = mla_attention_naive(q, ckv, kpe, w, v_head_dim=dv, scale=0.3,
                               mask_BTS=attention_mask(T, T) if T > 1 else None)
-    got = mla_attention_causal(q, ckv, kpe, w, v_head_dim=DV, scale=0.3)
+    got = mla_attention_causal(q, ckv, kpe, w, v_head_dim=dv, scale=0.3)
     assert len(fused) == (T > 1)
     assert_close("out", ref, got, 1e-12)
     grad = torch.randn_like(ref)
@@ -192,9 +196,24 @@ def test_fused_causal_equals_naive(T, monkeypatch):
     for name, a, b in zip("q ckv kpe w".split(), g_got, g_ref, strict=True):
         assert_close(f"d{name}", b, a, 1e-12)
     f32 = [t.detach().float() for t in (q, ckv, kpe, w)]
-    assert_close("fp32", ref.detach().float(), mla_attention_causal(*f32, v_head_dim=DV, scale=0.3), 1e-5)
+    assert_close("fp32", ref.detach().float(), mla_attention_causal(*f32, v_head_dim=dv, scale=0.3), 1e-5)
     fused.clear()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mla_attention_causal(*f32, v_head_dim=DV, scale=0.3)
-    mla_attention_causal(*(t.bfloat16() for t in f32), v_head_dim=DV, scale=0.3)
+        mla_attention_causal(*f32, v_head_dim=dv, scale=0.3)
+    mla_attention_causal(*(t.bfloat16() for t in f32), v_head_dim=dv, scale=0.3)
     assert fused == []  # bf16: the eager form
+
+
+def test_fused_causal_path_is_cpu_float_outside_autocast_only():
+    """The fused kernel only where it is exact and repeatable: CPU float32/float64 outside autocast; a meta
+    tensor (shape tracing) or bf16 answers False instead of raising or changing rounding points."""
+    from openk3.ops.mla import fused_causal_ok
+
+    assert fused_causal_ok(torch.zeros(1, 2, 1, 4)) and fused_causal_ok(torch.zeros(1, 2, 1, 4, dtype=torch.float64))
+    assert not fused_causal_ok(torch.zeros(1, 2, 1, 4, dtype=torch.bfloat16))
+    assert not fused_causal_ok(torch.zeros(1, 2, 1, 4, device="meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_causal_ok(torch.zeros(1, 2, 1, 4))
+    q, ckv, kpe, w = (torch.zeros(1, 5, H, DN + DR, device="meta"), torch.zeros(1, 5, C, device="meta"),
+                      torch.zeros(1, 5, DR, device="meta"), torch.zeros(H * (DN + DV), C, device="meta"))
+    assert mla_attention_causal(q, ckv, kpe, w, v_head_dim=DV, scale=0.3).shape == (1, 5, H, DV)

@@ -64,9 +64,9 @@ class GatedMLA(nn.Module):
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
             mask = None if impl == "naive" else mla_ops.attention_mask(T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT,
                                                                       device=x_BTD.device)
-        else:
+        else:  # the naive form's causal mask is built inside mla_attention_causal, and only where it is used
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
-            mask = None if T == 1 else mla_ops.attention_mask(T, T, device=x_BTD.device)
+            mask = None if T == 1 or impl == "naive" else mla_ops.attention_mask(T, T, device=x_BTD.device)
         if seg_BT is not None and state is None and impl == "naive":
             # packed rows: one causal attention per document (exact: the masked form's other-document keys
             # get probability 0), at the cost of the squared document lengths instead of T^2

@@ -71,21 +71,28 @@ def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: to
 
 
 def fused_causal_ok(q_BTHD: torch.Tensor) -> bool:
-    """Whether `mla_attention_causal` may take torch's fused attention: float32 or float64 queries outside
+    """Whether `mla_attention_causal` may take torch's fused attention: float32 or float64 queries on CPU outside
     autocast. Under bf16 (autocast or bf16 weights) the eager form's rounding points are the reference's
     (spec §4.8: fp32 softmax, probabilities rounded to bf16 before P V; tests/test_peer_bf16.py), which the
-    fused kernel does not reproduce, so those keep the eager form."""
-    return q_BTHD.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled(q_BTHD.device.type)
+    fused kernel does not reproduce, so those keep the eager form. On CUDA the fused float32 kernel (memory-
+    efficient attention) splits its backward across keys with atomic adds, so a run would no longer repeat bit
+    for bit; GPU training is bf16 anyway, and nothing here measured it, so CUDA keeps the eager form too."""
+    if q_BTHD.device.type != "cpu" or q_BTHD.dtype not in (torch.float32, torch.float64):
+        return False
+    return not torch.is_autocast_enabled("cpu")
 
 
 def mla_attention_causal(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor, w_kv_b: torch.Tensor,
                          *, v_head_dim: int, scale: float) -> torch.Tensor:
     """`mla_attention_naive` with the causal mask of `attention_mask(T, T)` (every query sees the keys up to its
-    own position: training and a prefill from an empty cache), through `F.scaled_dot_product_attention` with
-    `is_causal=True` when `fused_causal_ok`: the same function without the [B, H, T, T] score and probability
-    tensors, fused forward and backward (fp32 fwd + bwd at nano's MLA shape, one thread: 1.4x at T = 512 and
-    2,048, 1.04x at 256). Same arguments and result as the naive form, which is its twin (tests/test_ops_mla.py:
-    outputs and gradients in float64, odd lengths) and what runs otherwise."""
+    own position: a training forward, and each document of a packed row; a prefill always has a cache, whose
+    offset mask keeps the naive form), through `F.scaled_dot_product_attention` with `is_causal=True` when
+    `fused_causal_ok`: the same function in fewer, fused operations, forward and backward (fp32 fwd + bwd at
+    nano's MLA shape, one thread: 1.4x at T = 512 and 2,048, 1.04x at 256). On CPU, with MLA's value heads
+    narrower than its query/key heads (3/2 in every preset), torch takes its math kernel, which still holds
+    the [B, H, T, T] scores; equal widths take the flash kernel (both tested). Same arguments and result as
+    the naive form, which is its twin (tests/test_ops_mla.py: outputs and gradients in float64, odd lengths)
+    and what runs otherwise."""
     B, T, H, D = q_BTHD.shape
     if T == 1 or not fused_causal_ok(q_BTHD):
         return mla_attention_naive(q_BTHD, ckv_BTC, kpe_BTR, w_kv_b, v_head_dim=v_head_dim, scale=scale,
