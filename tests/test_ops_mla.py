@@ -20,6 +20,16 @@ def _inputs(B, T, S, seed, dtype=torch.float64):
     return [t.requires_grad_() for t in (q, ckv, kpe, w)]
 
 
+def _assert_same_function(label, ref, got, inputs, tol=1e-12):
+    """Outputs and the gradients of every input (one random output gradient) agree to `tol`."""
+    assert_close(f"{label} out", ref, got, tol)
+    do = torch.randn_like(ref)
+    g_ref = torch.autograd.grad(ref, inputs, do)
+    g_got = torch.autograd.grad(got, inputs, do)
+    for name, a, b in zip(("dq", "dckv", "dkpe", "dw_kv_b"), g_ref, g_got, strict=True):
+        assert_close(f"{label} {name}", a, b, tol)
+
+
 def _docs(B, S, lengths):
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
     assert seg.numel() == S
@@ -55,12 +65,7 @@ def test_absorbed_equals_naive(case):
     ref = mla_attention_naive(q, ckv, kpe, w, **kw)
     got = mla_attention_absorbed(q, ckv, kpe, w, **kw)
     assert ref.shape == (B, T, H, DV) and ref.dtype == torch.float64
-    assert_close(f"{case} out", ref, got, 1e-12)
-    do = torch.randn_like(ref)
-    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), do)
-    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), do)
-    for name, a, b in zip(("dq", "dckv", "dkpe", "dw_kv_b"), g_ref, g_got):
-        assert_close(f"{case} {name}", a, b, 1e-12)
+    _assert_same_function(case, ref, got, (q, ckv, kpe, w))
 
 
 def test_attention_mask_semantics():
@@ -153,12 +158,7 @@ def test_per_document_attention_equals_the_masked_form(rows, min_mean, monkeypat
                               mask_BTS=attention_mask(T, T, doc_q_BT=seg, doc_k_BS=seg))
     got = mla_attention_documents(q, ckv, kpe, w, seg_BT=seg, v_head_dim=DV, scale=0.3)
     assert calls == ([n for r in rows for n in r] if min_mean == 1 else [T] * len(rows))  # the path taken
-    assert_close("out", ref, got, 1e-12)
-    grad = torch.randn_like(ref)
-    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), grad)
-    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), grad)
-    for name, a, b in zip("q ckv kpe w".split(), g_got, g_ref, strict=True):
-        assert_close(f"d{name}", b, a, 1e-12)
+    _assert_same_function("documents", ref, got, (q, ckv, kpe, w))
     assert document_runs(torch.tensor([0, 0, 1, 1, 1, 2])) == [(0, 2), (2, 5), (5, 6)]
     down = torch.tensor([[0, 0, 1, 1, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2, 2][:T]])
     if T == 15:
@@ -189,12 +189,7 @@ def test_fused_causal_equals_naive(T, dv, monkeypatch):
                               mask_BTS=attention_mask(T, T) if T > 1 else None)
     got = mla_attention_causal(q, ckv, kpe, w, v_head_dim=dv, scale=0.3)
     assert len(fused) == (T > 1)
-    assert_close("out", ref, got, 1e-12)
-    grad = torch.randn_like(ref)
-    g_ref = torch.autograd.grad(ref, (q, ckv, kpe, w), grad)
-    g_got = torch.autograd.grad(got, (q, ckv, kpe, w), grad)
-    for name, a, b in zip("q ckv kpe w".split(), g_got, g_ref, strict=True):
-        assert_close(f"d{name}", b, a, 1e-12)
+    _assert_same_function(f"causal T={T} dv={dv}", ref, got, (q, ckv, kpe, w))
     f32 = [t.detach().float() for t in (q, ckv, kpe, w)]
     assert_close("fp32", ref.detach().float(), mla_attention_causal(*f32, v_head_dim=dv, scale=0.3), 1e-5)
     fused.clear()

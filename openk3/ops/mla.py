@@ -43,6 +43,17 @@ def _softmax(scores_BHTS: torch.Tensor, mask_BTS: torch.Tensor | None, out_dtype
     return torch.softmax(scores_BHTS, dim=-1).to(out_dtype)
 
 
+def expand_kv(ckv_BSC: torch.Tensor, kpe_BSR: torch.Tensor, w_kv_b: torch.Tensor, *, num_heads: int,
+              v_head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head keys [B, S, H, Dn + Dr] (the latent's nope part through `kv_b_proj`, then the shared `kpe` part)
+    and values [B, S, H, Dv] from the latent: what the naive and the fused causal forms attend over."""
+    B, S, Dr = kpe_BSR.shape
+    Dn = w_kv_b.shape[0] // num_heads - v_head_dim
+    kv_BSHE = (ckv_BSC @ w_kv_b.t()).view(B, S, num_heads, Dn + v_head_dim)
+    k_nope_BSHN, v_BSHV = kv_BSHE.split([Dn, v_head_dim], dim=-1)
+    return torch.cat([k_nope_BSHN, kpe_BSR[:, :, None, :].expand(B, S, num_heads, Dr)], dim=-1), v_BSHV
+
+
 def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: torch.Tensor, w_kv_b: torch.Tensor,
                         *, v_head_dim: int, scale: float, mask_BTS: torch.Tensor | None) -> torch.Tensor:
     """Reference MLA: expand the latent to per-head keys and values, then softmax attention.
@@ -59,12 +70,7 @@ def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: to
     Returns:
         [B, T, H, Dv] in the dtype of `q_BTHD`.
     """
-    B, T, H, D = q_BTHD.shape
-    S, Dr = kpe_BSR.shape[1], kpe_BSR.shape[-1]
-    Dn = D - Dr
-    kv_BSHE = (ckv_BSC @ w_kv_b.t()).view(B, S, H, Dn + v_head_dim)
-    k_nope_BSHN, v_BSHV = kv_BSHE.split([Dn, v_head_dim], dim=-1)
-    k_BSHD = torch.cat([k_nope_BSHN, kpe_BSR[:, :, None, :].expand(B, S, H, Dr)], dim=-1)
+    k_BSHD, v_BSHV = expand_kv(ckv_BSC, kpe_BSR, w_kv_b, num_heads=q_BTHD.shape[2], v_head_dim=v_head_dim)
     scores_BHTS = torch.einsum("bthd,bshd->bhts", q_BTHD, k_BSHD) * scale
     p_BHTS = _softmax(scores_BHTS, mask_BTS, q_BTHD.dtype)
     return torch.einsum("bhts,bshv->bthv", p_BHTS, v_BSHV)
@@ -93,15 +99,11 @@ def mla_attention_causal(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR: t
     the [B, H, T, T] scores; equal widths take the flash kernel (both tested). Same arguments and result as
     the naive form, which is its twin (tests/test_ops_mla.py: outputs and gradients in float64, odd lengths)
     and what runs otherwise."""
-    B, T, H, D = q_BTHD.shape
+    T, H = q_BTHD.shape[1:3]
     if T == 1 or not fused_causal_ok(q_BTHD):
         return mla_attention_naive(q_BTHD, ckv_BTC, kpe_BTR, w_kv_b, v_head_dim=v_head_dim, scale=scale,
                                    mask_BTS=attention_mask(T, T, device=q_BTHD.device) if T > 1 else None)
-    Dr = kpe_BTR.shape[-1]
-    Dn = D - Dr
-    kv_BTHE = (ckv_BTC @ w_kv_b.t()).view(B, T, H, Dn + v_head_dim)
-    k_nope_BTHN, v_BTHV = kv_BTHE.split([Dn, v_head_dim], dim=-1)
-    k_BTHD = torch.cat([k_nope_BTHN, kpe_BTR[:, :, None, :].expand(B, T, H, Dr)], dim=-1)
+    k_BTHD, v_BTHV = expand_kv(ckv_BTC, kpe_BTR, w_kv_b, num_heads=H, v_head_dim=v_head_dim)
     o_BHTV = torch.nn.functional.scaled_dot_product_attention(
         q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHV.transpose(1, 2), is_causal=True, scale=scale)
     return o_BHTV.transpose(1, 2)
