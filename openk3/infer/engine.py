@@ -81,6 +81,10 @@ class _Request:
         self.t_arrival = time.perf_counter()
         self.t_first: float | None = None
 
+    def seen(self) -> list[int] | tuple:
+        """The ids the repetition penalty looks at (prompt and output), or none when the request has no penalty."""
+        return self.prompt + self.out if self.params.repetition_penalty != 1.0 else ()
+
 
 class Engine:
     """Continuous-batching generation over one model.
@@ -258,8 +262,7 @@ class Engine:
                 toks[i] = t
         for i, r in enumerate(reqs):
             if toks[i] is None:
-                seen = r.prompt + r.out if r.params.repetition_penalty != 1.0 else ()
-                toks[i] = sample_next(logits_nV[i], r.params, r.generator, seen)
+                toks[i] = sample_next(logits_nV[i], r.params, r.generator, r.seen())
         return toks  # type: ignore[return-value]
 
     def _logprobs(self, reqs: list[_Request], logits_nV: torch.Tensor, toks: list[int]) -> list:
@@ -275,8 +278,7 @@ class Engine:
                 picked = picked.to(torch.promote_types(picked.dtype, torch.float32), copy=True)
                 for j in processed:
                     r = reqs[rows[j]]
-                    seen = r.prompt + r.out if r.params.repetition_penalty != 1.0 else ()
-                    picked[j] = sampling_logits(picked[j], r.params, seen)
+                    picked[j] = sampling_logits(picked[j], r.params, r.seen())
             entries = token_logprobs(picked, [toks[i] for i in rows], [reqs[i].params.logprobs for i in rows])
             for i, e in zip(rows, entries, strict=True):
                 out[i] = e
