@@ -40,6 +40,15 @@ def test_bench_decode_with_mxfp4_experts_runs():
     assert all(r["greedy_agreement"] == 1.0 for r in out["batches"]), [r["greedy_agreement"] for r in out["batches"]]
 
 
+def test_bench_mla_runs(tmp_path):
+    import bench_mla
+
+    out = bench_mla.main(["--presets", "nano", "--lengths", "5,33", "--repeats", "1",
+                          "--json", str(tmp_path / "r.json")])
+    assert [r["T"] for r in out["runs"]] == [5, 33] and (tmp_path / "r.json").exists()
+    assert set(out["runs"][0]["ms"]) == {"naive", "sdpa, values as they are", "openk3"}
+
+
 def test_bench_linear_layout_runs(tmp_path):
     import bench_linear_layout
 

@@ -93,20 +93,28 @@ def mla_attention_causal(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR: t
     """`mla_attention_naive` with the causal mask of `attention_mask(T, T)` (every query sees the keys up to its
     own position: a training forward, and each document of a packed row; a prefill always has a cache, whose
     offset mask keeps the naive form), through `F.scaled_dot_product_attention` with `is_causal=True` when
-    `fused_causal_ok`: the same function in fewer, fused operations, forward and backward (fp32 fwd + bwd at
-    nano's MLA shape, one thread: 1.4x at T = 512 and 2,048, 1.04x at 256). On CPU, with MLA's value heads
-    narrower than its query/key heads (3/2 in every preset), torch takes its math kernel, which still holds
-    the [B, H, T, T] scores; equal widths take the flash kernel (both tested). Same arguments and result as
-    the naive form, which is its twin (tests/test_ops_mla.py: outputs and gradients in float64, odd lengths)
-    and what runs otherwise."""
+    `fused_causal_ok`: the same function in fewer, fused operations, forward and backward. Same arguments and
+    result as the naive form, which is its twin (tests/test_ops_mla.py: outputs and gradients in float64, odd
+    lengths) and what runs otherwise.
+
+    MLA's value heads are narrower than its query/key heads (Dv = 2/3 of Dn + Dr in every preset), and CPU torch
+    takes its flash kernel only for equal widths; otherwise its math kernel, which holds the [B, H, T, T] scores
+    and probabilities for the backward. So the values are zero-padded to the key width and the padding is cut
+    off the output: the padded output columns are exactly 0, the real ones are untouched (each output column
+    is its own sum over keys), and the padding's gradient is dropped by the pad's backward. The flash kernel
+    then never holds a T x T tensor. fp32 fwd + bwd at nano's MLA shape (4 heads, 48 / 32 dims), one thread:
+    padded flash against the math kernel 0.98x at T = 256, 1.18x at 512, 2.1x at 1,024, 3.1x at 2,048."""
     T, H = q_BTHD.shape[1:3]
     if T == 1 or not fused_causal_ok(q_BTHD):
         return mla_attention_naive(q_BTHD, ckv_BTC, kpe_BTR, w_kv_b, v_head_dim=v_head_dim, scale=scale,
                                    mask_BTS=attention_mask(T, T, device=q_BTHD.device) if T > 1 else None)
     k_BTHD, v_BTHV = expand_kv(ckv_BTC, kpe_BTR, w_kv_b, num_heads=H, v_head_dim=v_head_dim)
-    o_BHTV = torch.nn.functional.scaled_dot_product_attention(
+    D = k_BTHD.shape[-1]
+    if v_head_dim < D:
+        v_BTHV = torch.nn.functional.pad(v_BTHV, (0, D - v_head_dim))
+    o_BHTD = torch.nn.functional.scaled_dot_product_attention(
         q_BTHD.transpose(1, 2), k_BTHD.transpose(1, 2), v_BTHV.transpose(1, 2), is_causal=True, scale=scale)
-    return o_BHTV.transpose(1, 2)
+    return o_BHTD.transpose(1, 2)[..., :v_head_dim]
 
 
 #: below this mean document length a packed row is attended with the block-diagonal mask (see below)
