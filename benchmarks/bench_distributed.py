@@ -50,13 +50,9 @@ def worker(args: argparse.Namespace) -> None:
     from openk3.common import setup_cpu
     from openk3.config import preset
     from openk3.model.model import K3ForCausalLM
-    from openk3.parallel.ep import apply_ep
-    from openk3.parallel.fsdp import apply_fsdp
     from openk3.parallel.mesh import ParallelConfig, init_mesh, world_from_env
     from openk3.train.config import TrainConfig
-    from openk3.train.optim import build_optimizer
-    from openk3.train.schedule import LRSchedule
-    from openk3.train.trainer import Trainer
+    from openk3.train.trainer import build_trainer
 
     setup_cpu(1)
     world = world_from_env()[0]
@@ -67,12 +63,7 @@ def worker(args: argparse.Namespace) -> None:
                           parallel=ParallelConfig(dp_shard=world, ep=world if layout == "ep" else 1))
         mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size)  # joins the process group the first time
         model = K3ForCausalLM.build(cfg.model, seed=0)
-        apply_ep(model, mesh)
-        apply_fsdp(model, mesh)
-        opt = build_optimizer(model, cfg.optim)
-        schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
-                              min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-        trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
+        trainer = build_trainer(model, None, cfg, mesh=mesh)
         g = torch.Generator().manual_seed(0)
         times = []
         for step in range(args.steps + args.warmup):
@@ -86,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
                 times.append(time.perf_counter() - t0)
         trainer.close()
         results[layout] = {"world": world, "times": times, "tokens_per_step": cfg.batch_size * cfg.seq_len}
-        del trainer, opt, schedule, model  # the next layout is built without this one's model and optimizer state
+        del trainer, model  # the next layout is built without this one's model and optimizer state
         gc.collect()
         mesh.barrier()
     if mesh.is_main:

@@ -31,13 +31,10 @@ from openk3.common import setup_cpu
 from openk3.config import preset
 from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import SparseMoE
-from openk3.parallel.ep import apply_ep
-from openk3.parallel.fsdp import apply_fsdp, full_tensor
+from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import ParallelConfig, init_mesh, world_from_env
 from openk3.train.config import TrainConfig
-from openk3.train.optim import build_optimizer
-from openk3.train.schedule import LRSchedule
-from openk3.train.trainer import Trainer
+from openk3.train.trainer import build_trainer
 
 B, T = 4, 24
 
@@ -70,12 +67,7 @@ def run(out_path: str | None, steps: int = 3, layout: str = "shard", grad_accum:
                       grad_accum=grad_accum, parallel=ParallelConfig(**degrees), dtype="bf16" if bf16 else "fp32")
     mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
-    apply_ep(model, mesh)
-    apply_fsdp(model, mesh)
-    opt = build_optimizer(model, cfg.optim)
-    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
-                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-    trainer = Trainer(model, None, opt, schedule, cfg, mesh=mesh)
+    trainer = build_trainer(model, None, cfg, mesh=mesh)
     losses, norms = [], []
     for batch in batches(steps, cfg.model.vocab_size):
         rec = trainer.train_step(batch)

@@ -169,8 +169,25 @@ def test_each_epoch_trains_every_conversation_once(base, data):
     assert loader.steps_for_epochs(2) == loader.steps_in_epoch(0) + loader.steps_in_epoch(1)
 
 
-def test_pack_is_next_fit():
-    assert pack([3, 3, 2, 4, 1], np.arange(5), 6) == [[0, 1], [2, 3], [4]]
+def test_pack_next_fit_and_best_fit():
+    assert pack([3, 3, 2, 4, 1], np.arange(5), 6, "next_fit") == [[0, 1], [2, 3], [4]]
+    # best fit: 3 joins the row with 4 free (not the one with 5), 4 the row with 5 free; next fit needs a third row
+    assert pack([6, 5, 3, 4], np.arange(4), 10) == [[0, 2], [1, 3]]
+    assert pack([6, 5, 3, 4], np.arange(4), 10, "next_fit") == [[0], [1, 2], [3]]
+    # a tie: the row filled to that room most recently; a conversation that fits nowhere opens a row
+    assert pack([5, 5, 2, 9], np.arange(4), 10) == [[0, 1], [2], [3]]
+    assert pack([7, 7, 3], np.arange(3), 10) == [[0], [1, 2]]
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, 500).tolist()
+    order = rng.permutation(500)
+    for method in ("best_fit", "next_fit"):
+        rows = pack(lengths, order, 300, method)
+        assert sorted(i for r in rows for i in r) == list(range(500))  # every conversation once
+        assert all(sum(lengths[i] for i in r) <= 300 for r in rows)
+        assert all(list(r) == sorted(r, key=order.tolist().index) for r in rows)  # in visiting order within a row
+    assert len(pack(lengths, order, 300)) < 0.9 * len(pack(lengths, order, 300, "next_fit"))
+    with pytest.raises(ValueError, match="packing must be one of"):
+        pack(lengths, order, 300, "first_fit")
     batch = make_batch([], [], 2, 4, pad_id=9)
     assert (batch["input_ids"] == 9).all() and (batch["labels"] == IGNORE_INDEX).all()
 
@@ -332,6 +349,28 @@ def test_resume_refuses_changed_settings_and_data(ref, base, data, tmp_path):
     assert summary["resumed_from"] == 6 and summary["steps"] == 7
     history = [json.loads(line) for line in (out / "sft_config_history.jsonl").read_text().splitlines()]
     assert history[-1]["step"] == 6 and any("optim.lr" in c for c in history[-1]["changes"])
+
+
+def test_run_from_before_the_packing_option_resumes_next_fit(ref, base, data, tmp_path):
+    """A run whose saved configs have no `packing` (written before the option) packed next-fit: resuming it
+    with today's default (best-fit) is refused naming the change, its own sft_config.json reads as next-fit,
+    and resuming with that continues."""
+    out = tmp_path / "run"
+    shutil.copytree(ref[0], out)
+    old = json.loads((out / "sft_config.json").read_text())
+    del old["packing"]
+    (out / "sft_config.json").write_text(json.dumps(old))
+    for ckpt in (out / "checkpoints").glob("step_*"):
+        state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+        del state["config"]["packing"]
+        torch.save(state, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match=r"packing: 'next_fit' -> 'best_fit'"):
+        sft(tiny(base, data, max_steps=7), out, progress=False)
+    cfg = SFTConfig.from_json(out / "sft_config.json")
+    assert cfg.packing == "next_fit" and SFTConfig().packing == "best_fit"
+    assert sft(dataclasses.replace(cfg, max_steps=7), out, progress=False)["steps"] == 7
+    with pytest.raises(ValueError, match="packing must be one of"):
+        SFTConfig(packing="first_fit")
 
 
 def test_cli_main_trains_then_resumes_from_out_alone(base, data, tmp_path, capsys):

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from openk3.fsutil import read_json, write_atomic
-from openk3.posttrain.sft_data import OVERFLOW, SPLITS, SFTLoader, eval_batches, load_conversations
+from openk3.posttrain.sft_data import OVERFLOW, PACKING, SPLITS, SFTLoader, eval_batches, load_conversations
 from openk3.train.optim import OptimConfig
 
 # Fields a resumed run may change without `allow_config_change` (they do not change what the remaining
@@ -69,6 +69,7 @@ class SFTConfig:
     epochs: int = 2  # background §3.4: 2 epochs; used when max_steps is None
     max_steps: int | None = None
     overflow: str = "drop"  # conversations longer than seq_len: "drop" (counted) or "truncate"
+    packing: str = "best_fit"  # conversations into rows: "best_fit" or "next_fit" (openk3.posttrain.sft_data.pack)
     splits: tuple[str, ...] = ("train",)  # record splits read from the data (val_data: all splits)
     eval_every: int = 0  # 0: only at the end (when val_data is given)
     eval_batches: int | None = None  # None: all of val_data
@@ -108,6 +109,8 @@ class SFTConfig:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.overflow not in OVERFLOW:
             raise ValueError(f"overflow must be one of {OVERFLOW}, got {self.overflow!r}")
+        if self.packing not in PACKING:
+            raise ValueError(f"packing must be one of {PACKING}, got {self.packing!r}")
         if not self.splits or any(s not in SPLITS for s in self.splits):
             raise ValueError(f"splits must be a non-empty subset of {SPLITS}, got {self.splits!r}")
         if self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1 or self.qb_rate < 0:
@@ -126,6 +129,7 @@ class SFTConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(map(repr, unknown))}")
         kw = dict(d)
+        kw.setdefault("packing", "next_fit")  # a config written before the option: its run packed next-fit
         if "optim" in kw:
             optim = dict(kw["optim"])
             if "betas" in optim:
@@ -252,10 +256,8 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     from openk3.common import resolve_device, seed_everything, setup_cpu
     from openk3.train.config import resume_changes
     from openk3.train.metrics import MetricsLog, losses_by_step, plot_losses
-    from openk3.train.optim import build_optimizer
-    from openk3.train.schedule import LRSchedule
     from openk3.train.state import find_latest, open_run_folder, record_config, resume_trainer, save_checkpoint
-    from openk3.train.trainer import Trainer, with_tokenizer_ids
+    from openk3.train.trainer import build_trainer, with_tokenizer_ids
 
     device = resolve_device(cfg.device)
     cfg, base = resolve_paths(cfg)
@@ -267,6 +269,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
     changes: list[str] = []
     if saved is not None:
+        saved["config"].setdefault("packing", "next_fit")  # saved before the option existed: packed next-fit
         free, refused = resume_changes(saved["config"], cfg.to_dict(), SFT_RESUME_FREE)
         if refused and not allow_config_change:
             raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
@@ -288,7 +291,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
                                          splits=SPLITS)
         _say(f"validation {', '.join(cfg.val_data)}: {vstats.describe()}")
     pad_id = tok.pad_id if tok.pad_id is not None else 0
-    loader = SFTLoader(convs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, pad_id=pad_id)
+    loader = SFTLoader(convs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, pad_id=pad_id, packing=cfg.packing)
     if saved is not None:
         loader.load_state_dict(saved["loader"])  # other data are refused here, before the config is rewritten
     max_steps = cfg.max_steps if cfg.max_steps is not None else loader.steps_for_epochs(cfg.epochs)
@@ -303,10 +306,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     model.loaded_format = None  # save float experts (fp32): what resumes exactly (module docstring)
     model.train()
     tcfg = loop_config(cfg, model.config, max_steps)
-    opt = build_optimizer(model, cfg.optim)
-    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=tcfg.warmup_steps, total=max_steps,
-                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-    trainer = Trainer(model, loader, opt, schedule, tcfg, device=device, threads=threads)
+    trainer = build_trainer(model, loader, tcfg, device=device, threads=threads)  # one process: no sharding
     _say(f"base {base}: {sum(p.numel() for p in model.parameters()):,} parameters, {threads} thread(s), "
          f"{cfg.dtype}; {max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens"
          + ("" if cfg.max_steps is not None else f" ({cfg.epochs} epochs)"))

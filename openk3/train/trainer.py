@@ -277,6 +277,24 @@ class Trainer:
 
 # ---- set-up -------------------------------------------------------------------------------------------
 
+def build_trainer(model: nn.Module, batches, cfg: TrainConfig, *, mesh: Mesh | None = None,
+                  device: torch.device | str = "cpu", threads: int = 1) -> Trainer:
+    """A `Trainer` for `model` the way every caller sets one up: routed experts spread over the ep ranks
+    (`parallel.ep` > 1), then FSDP2 for the rest (both no-ops in one process), then the optimizers built on
+    the parameters as they now are (sharded) and the LR schedule over `cfg.max_steps`. `openk3 train`,
+    `openk3 sft`, the multi-process tests and `bench_distributed` all build theirs here."""
+    from openk3.parallel.ep import apply_ep
+    from openk3.parallel.fsdp import apply_fsdp
+
+    mesh = mesh or null_mesh()
+    apply_ep(model, mesh)
+    apply_fsdp(model, mesh)
+    opt = build_optimizer(model, cfg.optim)
+    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
+                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
+    return Trainer(model, batches, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
+
+
 def _say(msg: str) -> None:
     print(f"[train] {msg}", flush=True)
 
@@ -361,8 +379,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     from openk3.data.loader import PackedLoader
     from openk3.data.shards import build_dataset
     from openk3.model.model import K3ForCausalLM
-    from openk3.parallel.ep import apply_ep
-    from openk3.parallel.fsdp import apply_fsdp, gathered_model
+    from openk3.parallel.fsdp import gathered_model
 
     main = mesh.is_main
     say, warn = (_say, _warn) if main else (_quiet, _quiet)
@@ -420,12 +437,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(model)
-    apply_ep(model, mesh)  # routed experts spread over the ep ranks (parallel.ep > 1), then FSDP2 for the rest:
-    apply_fsdp(model, mesh)  # sharded before the optimizer is built on its parameters; no-ops in one process
-    opt = build_optimizer(model, cfg.optim)
-    schedule = LRSchedule(opt, kind=cfg.schedule, warmup=cfg.warmup_steps, total=cfg.max_steps,
-                          min_ratio=cfg.min_lr_ratio, decay_frac=cfg.decay_frac)
-    trainer = Trainer(model, loader, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
+    trainer = build_trainer(model, loader, cfg, mesh=mesh, device=device, threads=threads)
     ranks = f", {mesh.world_size} processes (dp_replicate {cfg.parallel.dp_replicate} x dp_shard " \
             f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep}, pp {cfg.parallel.pp})" if mesh.distributed else ""
     if trainer.pipeline is not None:
@@ -473,7 +485,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             mesh.barrier()
             if trainer.pipeline is not None:  # every rank then holds every stage's current weights
                 trainer.pipeline.sync(model)
-            save_optimizer(model, opt, staging)
+            save_optimizer(model, trainer.opt, staging)
             save_model(model, staging_w)  # what a multi-process resume reads, each rank its own rows
             dirs = {OPTIMIZER_DIR: staging, MODEL_DIR: staging_w}
             state["weights_dcp"] = MODEL_DIR
