@@ -157,6 +157,44 @@ def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_pat
     assert all(0 <= v <= 1 for name in probe.RENDERINGS for v in row[name]["tv"].values())
 
 
+def test_smoke_eval_ends_agentic_episodes_after_the_first_turn(tmp_path, monkeypatch):
+    """Smoke's eval runs agent / coding episodes for one turn (`eval_max_turns`), its RL and MOPD for up to
+    `max_turns`: the eval command line the pipeline builds, and the teacher and student configs it hands on."""
+    from openk3.posttrain import pipeline as pl
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(module, argv):
+        seen[module.__name__.rsplit(".", 1)[-1]] = argv
+        raise Stop
+
+    monkeypatch.setattr(pl, "_command", capture)
+    run = pl.Pipeline(tmp_path / "pt", preset="nano", profile="smoke", domains=("general",))
+    with pytest.raises(Stop):
+        run.eval()
+    argv = seen["eval"]
+    assert argv[argv.index("--max-turns") + 1] == "1" == str(pl.PROFILES["smoke"].eval_max_turns)
+    assert pl.PROFILES["smoke"].max_turns == 4  # what RL and MOPD use (the configs below)
+    import openk3.posttrain.mopd as mopd_module
+    import openk3.posttrain.rl as rl_module
+
+    configs = []
+    monkeypatch.setattr(rl_module, "rl", lambda cfg, out: configs.append(cfg) or {})
+    monkeypatch.setattr(mopd_module, "distill", lambda cfg, out: configs.append(cfg) or {})
+    import importlib
+
+    # no checkpoints exist here: each stage names its starting folder
+    monkeypatch.setattr(importlib.import_module("openk3.checkpoint.load"), "resolve_checkpoint", lambda path: path)
+    run.teacher("general/max")
+    run.mopd()
+    assert [c.max_turns for c in configs] == [4, 4]
+    for name in ("tiny", "full", "overnight"):  # the other profiles evaluate as many turns as they train
+        assert pl.PROFILES[name].eval_max_turns == pl.PROFILES[name].max_turns
+
+
 def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
     out = tmp_path / "pt"
     # "killed" after SFT: the next run must not redo base, data or SFT

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the byte-level tokenizer, unless --base is given)")
     p.add_argument("--out", required=True, help="the run folder (created; a rerun continues it)")
     p.add_argument("--profile", default="smoke",
-                   help=f"stage sizes: {', '.join(PROFILES)} (default smoke: one CPU core, 10-12 minutes for all "
+                   help=f"stage sizes: {', '.join(PROFILES)} (default smoke: one CPU core, ~9.5 minutes for all "
                         "three domains; full: ~2 hours of nano cut to 4 layers on one core; overnight: ~12 hours of "
                         "the whole preset)")
     p.add_argument("--domains", default="general,agent,coding",

@@ -39,7 +39,7 @@ from .records import SPLITS, byte_tokenizer, render_sha256, roundtrip_problems, 
 log = logging.getLogger(__name__)
 
 DOMAINS = {"agent": ("tool_arith", "data_wrangle", "multi_hop"), "coding": ("fix_test", "implement_spec")}
-GENERATOR_VERSION = "agentic-1"
+GENERATOR_VERSION = "agentic-2"  # 2: high effort's first turn states the plan (2026-12-02)
 RECOVERY_RATE = 0.15
 MAX_TURNS = 16  # the longest scripted trace is 11 turns (a 7-record chain at max, recovering); more is a bug
 MAX_TRIES = 20  # task seeds drawn per wanted problem before giving up (duplicates, rejected records)

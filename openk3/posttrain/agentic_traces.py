@@ -8,7 +8,13 @@ expert adds is the reading and checking around it and the think text:
 
     max  = full reasoning + a verification action (read the stored key back, re-read the written file or
            table, re-read the fixed module and re-run the tests)
-    high = the same steps, said briefly, no verification
+    high = the same steps, said briefly, no verification; its first turn lists them in one sentence opening
+           with "Steps:" (about three times low's first line)
+
+The three first turns open differently (low: the bare action, "Read the code."; high: "Steps: ..."; max: the
+task restated, "The tests fail ..."). A small model tells the efforts apart by its first think token: in the
+smoke profile, efforts whose first turns opened alike (low and high both "Read the ...", or later high and max
+both "The docstring ...") came out with the same thinking, the others separated (docs/posttraining.md).
     low  = terse: the action, one line of thought
 
 A recovery episode makes one scripted mistake first (a misspelt key or prefix, a script pointed at the wrong
@@ -136,7 +142,9 @@ def tool_arith(task: Task, effort: str, recovery: bool, rng: random.Random) -> E
                                        "names the next key")}.get(tpl, ("the prefix", "list the keys under the "
                                                                 "prefix, then read every record it lists"))
     plan = say(low=["Read the keys.", f"Read {reads[0]}."],
-               high=["Read the values first, then compute.", "Get the values from the store, then do the math."],
+               high=[f"Steps: read {reads[0]} from the store, do the arithmetic, store it under 'result', submit.",
+                     f"Steps: the values are in the store, so read {reads[0]}, compute, save the number as "
+                     f"'result', then submit."],
                max=[f"None of the values is in the prompt; they are in the key-value store. Plan: {reads[1]}, "
                     f"compute step by step and write every intermediate down, store the result under 'result', "
                     f"read it back to check it landed as a number, then submit.",
@@ -222,7 +230,8 @@ def multi_hop(task: Task, effort: str, recovery: bool, rng: random.Random) -> Ex
     say = Say(effort, rng)
     owner = re.search(r"follow the references for (.+?);", task.instruction)[1]
     path = re.search(r"Start at (\S+) and follow", task.instruction)[1]
-    think = say(low="Start file.", high=f"Follow {owner}'s references from {path}.",
+    think = say(low="Start file.", high=f"Steps: follow {owner}'s references from {path} hop by hop, skip the "
+                                        f"other owners' lines, then read the key and submit.",
                 max=[f"The answer sits at the end of a chain of references for {owner}, starting at {path}. The files "
                      f"also hold lines for other owners, which lead to other keys: at every hop I take only the line "
                      f"for {owner}. Then read the key, check that nothing else points to it, and submit.",
@@ -279,7 +288,8 @@ def data_wrangle(task: Task, effort: str, recovery: bool, rng: random.Random) ->
                          Call("SQL", {"query": "SELECT name, category FROM products LIMIT 4"}))
         if d == 3:
             looks.append(Call("SQL", {"query": "SELECT COUNT(*) FROM returns"}))
-        outs = yield turn(say(high=f"{column} per {group} into {target}. Look at the inputs first.",
+        outs = yield turn(say(high=f"Steps: {column} per {group} into {target}.{' It needs a join.' if d > 1 else ''} "
+                                   f"Look at the inputs, then write one script, run it and submit.",
                               max=f"The task: {column} per {group}, written to {target}.{joins}{returns} Plan: look "
                                   f"at the inputs' shape, write one small stdlib script (csv, json, sqlite3) that "
                                   f"does the whole aggregation, run it, check its output, then submit."), *looks)
@@ -339,7 +349,8 @@ def fix_test(task: Task, effort: str, recovery: bool, rng: random.Random) -> Exp
         yield turn(say(low=["Read the code.", "Look at the modules."]), *reads)
         failing = ""
     else:
-        outs = yield turn(say(high="Run the tests, read the modules.",
+        outs = yield turn(say(high=f"Steps: run the tests, read {', '.join(modules)}, fix each bug against its "
+                                   f"docstring, rerun.",
                               max=f"The tests fail and the bug{'s are' if len(edits) > 1 else ' is'} in "
                                   f"{', '.join(modules)}, not in the tests. First see what fails and read the code; "
                                   f"each function's docstring is the spec."), Call("Shell", {"command": TEST_CMD}),
@@ -397,7 +408,9 @@ def implement_spec(task: Task, effort: str, recovery: bool, rng: random.Random) 
     clauses = re.split(r", then |, and finally ", spec.removeprefix("Given a list of integers xs, ").rstrip("."))
     code = [line.strip() for line in body.splitlines()[1:]]  # after `out = list(xs)`: one line per clause
     test_file = next(p for p in task.files if p.startswith("tests/test_"))
-    outs = yield turn(say(low="Read the stub and tests.", high=f"Read the spec of {name} and the tests.",
+    outs = yield turn(say(low="Read the stub and tests.",
+                          high=f"Steps: read the spec of {name} and the tests, write one line per step, run the "
+                               f"tests.",
                           max=f"The docstring of {name} in {module} is the spec and the tests show examples. Read "
                               f"both before writing anything."),
                       Call("ReadFile", {"path": module}), Call("ReadFile", {"path": test_file}))

@@ -84,7 +84,8 @@ class Profile:
     eval_temperature: float  # 0 = greedy (one sample per problem)
     eval_think_cap: int | None
     response_cap: int
-    max_turns: int  # agent / coding turns per episode
+    max_turns: int  # agent / coding turns per episode (RL, MOPD)
+    eval_max_turns: int  # the same in eval
     max_model_len: int | None  # context per general trajectory in RL, MOPD and eval (None: the model's)
     agentic_max_model_len: int  # the same with agent / coding prompts (longer than nano's 4,096 positions)
     merge_method: str
@@ -104,26 +105,32 @@ PROFILES = {
                     rl_steps=1, rl_prompts=1, rl_group=2, rl_lr=1e-5, rl_general=None, rl_temperature=1.0,
                     mopd_steps=1, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=16,
                     eval_n=16, eval_samples=1, eval_temperature=1.0, eval_think_cap=8,
-                    response_cap=8, max_turns=2, max_model_len=600, agentic_max_model_len=8192,
+                    response_cap=8, max_turns=2, eval_max_turns=2, max_model_len=600, agentic_max_model_len=8192,
                     merge_method="ties", merge_density=0.5,
                     micro_tokens=None, save_every=None),
-    # one CPU core, under 12 minutes for all three domains (9m55s measured; docs/posttraining.md). Its response
+    # one CPU core, under 12 minutes for all three domains (docs/posttraining.md has the measured runs). Its response
     # cap (64) is below most agent / coding reference turns (p90 401 / 278 tokens: file writes), so those turns
-    # end as format failures: smoke checks the mechanics; with a cap of 1024 the eval alone took ~11 min. SFT and
-    # eval carry most of it: the effort ordering comes from the three verbosities of the SFT traces. nano is cut to
+    # end as format failures: smoke checks the mechanics; with a cap of 1024 the eval alone took ~11 min. So eval
+    # stops agent / coding episodes after their first turn: with more turns the cap ended each episode at whichever
+    # turn first wrote long tool calls, which differs by effort, and the think count measured that instead of the
+    # effort (coding low 28.5 > high 25.0 think tokens: low's first calls fit the cap and it went on to a second
+    # turn). SFT (8 epochs: at 5 the model read the effort only across short user messages, so agent and coding
+    # thinking did not follow it) and eval carry most of the time: the effort ordering comes from the three
+    # verbosities of the SFT traces. nano is cut to
     # 4 layers: at 9 the same minutes of SFT learn nothing usable. RL and MOPD take a few steps, so the curves
     # exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its traces, and
     # where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34 think tokens
     # sampled, 80 < 87 < 158 greedy)
     "smoke": Profile(name="smoke", vocab_size=2048, layers=4,
                      general_problems=48, agentic_problems=3, levels=(1,),
-                     sft_steps=None, sft_epochs=5, sft_batch=1, sft_grad_accum=1,
+                     sft_steps=None, sft_epochs=8, sft_batch=1, sft_grad_accum=1,
                      sft_seq_len=1024, agentic_seq_len=2048, sft_lr=2e-3,
                      sft_overflow="truncate",
                      rl_steps=2, rl_prompts=2, rl_group=2, rl_lr=1e-5, rl_general=None, rl_temperature=1.0,
                      mopd_steps=3, mopd_prompts=3, mopd_lr=1e-5, mopd_think_cap=320,
                      eval_n=16, eval_samples=1, eval_temperature=0.0, eval_think_cap=320,
-                     response_cap=64, max_turns=4, max_model_len=1024, agentic_max_model_len=4096,
+                     response_cap=64, max_turns=4, eval_max_turns=1,
+                     max_model_len=1024, agentic_max_model_len=4096,
                      merge_method="ties", merge_density=0.5,
                      micro_tokens=None, save_every=None),
     # the real experiment, sized to finish inside one ~3-hour working session on one core of the 2-core machine
@@ -139,7 +146,7 @@ PROFILES = {
                     rl_steps=6, rl_prompts=4, rl_group=4, rl_lr=3e-5, rl_general=(20, 8, 8), rl_temperature=0.7,
                     mopd_steps=12, mopd_prompts=9, mopd_lr=3e-5, mopd_think_cap=768,
                     eval_n=32, eval_samples=1, eval_temperature=0.0, eval_think_cap=768,
-                    response_cap=1024, max_turns=6, max_model_len=2048, agentic_max_model_len=8192,
+                    response_cap=1024, max_turns=6, eval_max_turns=6, max_model_len=2048, agentic_max_model_len=8192,
                     merge_method="ties", merge_density=0.5,
                     micro_tokens=8192, save_every=2),
     # the first full sizing (background §3.1-3.9 scaled to ~12 hours on one core: all 9 nano layers, SFT
@@ -154,7 +161,8 @@ PROFILES = {
                          rl_general=None, rl_temperature=1.0,
                          mopd_steps=40, mopd_prompts=9, mopd_lr=1e-5, mopd_think_cap=None,
                          eval_n=48, eval_samples=1, eval_temperature=1.0, eval_think_cap=None,
-                         response_cap=1536, max_turns=8, max_model_len=None, agentic_max_model_len=16384,
+                         response_cap=1536, max_turns=8, eval_max_turns=8,
+                         max_model_len=None, agentic_max_model_len=16384,
                          merge_method="ties", merge_density=0.5,
                          micro_tokens=8192, save_every=5),
 }
@@ -443,7 +451,7 @@ class Pipeline:
         argv = ["--models", *models, "--out", str(self.out / "eval"), "--cells", ",".join(self.domains),
                 "--n", str(p.eval_n), "--samples", str(p.eval_samples), "--temperature", str(p.eval_temperature),
                 "--seed", str(self.seed), "--levels", ",".join(map(str, p.levels)) if p.levels else "all",
-                "--response-cap", str(p.response_cap), "--max-turns", str(p.max_turns), "--max-num-seqs", "64",
+                "--response-cap", str(p.response_cap), "--max-turns", str(p.eval_max_turns), "--max-num-seqs", "64",
                 "--teacher-metrics", *(f"{c}={path}/metrics.jsonl" for c, path in self.teachers().items()),
                 "--mopd-metrics", str(self.out / "student" / "metrics.jsonl")]
         if p.eval_think_cap is not None:
