@@ -352,9 +352,11 @@ def test_resume_refuses_changed_settings_and_data(ref, base, data, tmp_path):
 
 
 def test_run_from_before_the_packing_option_resumes_next_fit(ref, base, data, tmp_path):
-    """A run whose saved configs have no `packing` (written before the option) packed next-fit: resuming it
-    with today's default (best-fit) is refused naming the change, its own sft_config.json reads as next-fit,
-    and resuming with that continues."""
+    """A run saved before the `packing` option (no `packing` in its configs or loader state) packed next-fit:
+    resuming it with today's default (best-fit) is refused naming the change, even with --allow-config-change
+    (the loader's rows of the epoch in progress would differ); its own sft_config.json reads as next-fit
+    (`SFTConfig.from_run`, what `openk3 sft --out RUN` resumes with), and resuming with that continues, with the
+    loader packing next-fit. A config built from a dict gets the default."""
     out = tmp_path / "run"
     shutil.copytree(ref[0], out)
     old = json.loads((out / "sft_config.json").read_text())
@@ -362,13 +364,17 @@ def test_run_from_before_the_packing_option_resumes_next_fit(ref, base, data, tm
     (out / "sft_config.json").write_text(json.dumps(old))
     for ckpt in (out / "checkpoints").glob("step_*"):
         state = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-        del state["config"]["packing"]
+        del state["config"]["packing"], state["loader"]["packing"]
         torch.save(state, ckpt / "trainer_state.pt")
     with pytest.raises(ValueError, match=r"packing: 'next_fit' -> 'best_fit'"):
         sft(tiny(base, data, max_steps=7), out, progress=False)
-    cfg = SFTConfig.from_json(out / "sft_config.json")
-    assert cfg.packing == "next_fit" and SFTConfig().packing == "best_fit"
+    with pytest.raises(ValueError, match="rows were packed next_fit, this run asks for best_fit"):
+        sft(tiny(base, data, max_steps=7), out, progress=False, allow_config_change=True)
+    cfg = SFTConfig.from_run(out / "sft_config.json")
+    assert cfg.packing == "next_fit" and SFTConfig.from_dict(old).packing == "best_fit"
     assert sft(dataclasses.replace(cfg, max_steps=7), out, progress=False)["steps"] == 7
+    state = torch.load(out / "checkpoints" / "step_000007" / "trainer_state.pt", weights_only=False)
+    assert state["loader"]["packing"] == "next_fit" == state["config"]["packing"]
     with pytest.raises(ValueError, match="packing must be one of"):
         SFTConfig(packing="first_fit")
 

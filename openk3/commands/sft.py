@@ -63,7 +63,7 @@ def build_config(args: argparse.Namespace):
     from openk3.posttrain.sft import SFTConfig, apply_overrides
 
     base = run_config(args)
-    cfg = SFTConfig.from_json(base) if base is not None else SFTConfig()
+    cfg = SFTConfig.from_run(base) if base is not None else SFTConfig()
     changes: dict = {}
     for flag, name in (("max_steps", "max_steps"), ("epochs", "epochs"), ("batch_size", "batch_size"),
                        ("seq_len", "seq_len"), ("threads", "threads"), ("device", "device")):

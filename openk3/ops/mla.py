@@ -102,8 +102,9 @@ def mla_attention_causal(q_BTHD: torch.Tensor, ckv_BTC: torch.Tensor, kpe_BTR: t
     and probabilities for the backward. So the values are zero-padded to the key width and the padding is cut
     off the output: the padded output columns are exactly 0, the real ones are untouched (each output column
     is its own sum over keys), and the padding's gradient is dropped by the pad's backward. The flash kernel
-    then never holds a T x T tensor. fp32 fwd + bwd at nano's MLA shape (4 heads, 48 / 32 dims), one thread:
-    padded flash against the math kernel 0.98x at T = 256, 1.18x at 512, 2.1x at 1,024, 3.1x at 2,048."""
+    then never holds a T x T tensor. fp32 fwd + bwd, one thread, padded flash against the math kernel
+    (benchmarks/bench_mla.py): nano's shape (4 heads, 48 / 32) 1.2x at T = 256-512, 1.6x at 1,024, 3.2x at 2,048;
+    small-kl's (6 heads, 96 / 64) 0.90-0.97x at 256-512, 1.3x at 1,024, 2.1x at 2,048."""
     T, H = q_BTHD.shape[1:3]
     if T == 1 or not fused_causal_ok(q_BTHD):
         return mla_attention_naive(q_BTHD, ckv_BTC, kpe_BTR, w_kv_b, v_head_dim=v_head_dim, scale=scale,

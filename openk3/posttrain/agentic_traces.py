@@ -9,13 +9,13 @@ expert adds is the reading and checking around it and the think text:
     max  = full reasoning + a verification action (read the stored key back, re-read the written file or
            table, re-read the fixed module and re-run the tests)
     high = the same steps, said briefly, no verification; its first turn lists them in one sentence opening
-           with "Steps:" (about three times low's first line)
+           with "Steps:" (3-10x low's first line)
+    low  = terse: the action, one line of thought
 
 The three first turns open differently (low: the bare action, "Read the code."; high: "Steps: ..."; max: the
 task restated, "The tests fail ..."). A small model tells the efforts apart by its first think token: in the
 smoke profile, efforts whose first turns opened alike (low and high both "Read the ...", or later high and max
 both "The docstring ...") came out with the same thinking, the others separated (docs/posttraining.md).
-    low  = terse: the action, one line of thought
 
 A recovery episode makes one scripted mistake first (a misspelt key or prefix, a script pointed at the wrong
 folder, an edit of a file that does not exist), sees the error in the tool message and fixes it.

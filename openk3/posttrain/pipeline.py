@@ -382,11 +382,13 @@ class Pipeline:
         from openk3.train.optim import OptimConfig
 
         p = self.profile
+        started = self.out / "sft" / "sft_config.json"  # a stage begun by an earlier version keeps its packing
+        packing = SFTConfig.from_run(started).packing if started.is_file() else SFTConfig.packing
         cfg = SFTConfig(base=str(self.base_folder()), data=(str(self.out / "data" / "sft_train.jsonl"),),
                         optim=OptimConfig(lr=p.sft_lr), batch_size=p.sft_batch, grad_accum=p.sft_grad_accum,
                         seq_len=p.sft_seq_len if self.domains == ("general",) else p.agentic_seq_len,
                         epochs=p.sft_epochs, max_steps=p.sft_steps, overflow=p.sft_overflow, seed=self.seed,
-                        save_every=0, threads=self.threads)
+                        save_every=0, threads=self.threads, packing=packing)
         summary = sft(cfg, self.out / "sft", progress=False)
         return {"config": cfg.to_dict(), "steps": summary["steps"], "final_loss": summary["final_loss"],
                 "conversations": summary["conversations"], "dropped_too_long": summary["dropped_too_long"],

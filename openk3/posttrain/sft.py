@@ -129,7 +129,6 @@ class SFTConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field(s) {', '.join(map(repr, unknown))}")
         kw = dict(d)
-        kw.setdefault("packing", "next_fit")  # a config written before the option: its run packed next-fit
         if "optim" in kw:
             optim = dict(kw["optim"])
             if "betas" in optim:
@@ -143,6 +142,14 @@ class SFTConfig:
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> SFTConfig:
         return cls.from_dict(read_json(path), source=str(path))
+
+    @classmethod
+    def from_run(cls, path: str | os.PathLike) -> SFTConfig:
+        """A run's own `sft_config.json`; one written before the `packing` option packed next-fit."""
+        d = read_json(path)
+        if isinstance(d, dict):
+            d.setdefault("packing", "next_fit")
+        return cls.from_dict(d, source=str(path))
 
     def to_json(self, path: str | os.PathLike) -> None:
         write_atomic(path, (json.dumps(self.to_dict(), indent=2) + "\n").encode())

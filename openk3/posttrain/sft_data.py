@@ -33,7 +33,8 @@ sees or predicts another.
 A step takes `batch_size` consecutive rows; the last batch of an epoch is filled up with padding rows
 (every conversation is trained on once per epoch; the loss is normalised by labelled tokens, so
 padding rows weigh nothing). `state_dict()` = (epoch, position in rows, seed, seq_len, fingerprint of
-the encoded data); `load_state_dict` refuses a state whose data or seq_len differ.
+the encoded data, packing); `load_state_dict` refuses a state whose data, seq_len or packing differ (a state
+without packing was saved before the option and packed next-fit).
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def pack(lengths: list[int], order: np.ndarray, seq_len: int, method: str = "bes
     `next_fit`: a conversation that does not fit in the open row starts a new one. `best_fit`: it goes into the
     row with the least room that still fits it (the most recently filled to that room on a tie), else a new
     row. Best-fit leaves far less padding when conversations are long beside `seq_len` (issue 18's smoke SFT:
-    1-2.8k-token agent and coding conversations in 2,048-token rows: 74 rows an epoch next-fit, 55-56
+    1-2.8k-token agent and coding conversations in 2,048-token rows: 71-76 rows an epoch next-fit, 55
     best-fit, for 111k tokens), and which conversations share a row still follows the shuffled order. Rows
     are kept by their free room (a sorted list of the distinct values, at most `seq_len`), so a conversation
     costs a bisection, not a scan of the rows.
@@ -312,7 +313,7 @@ class SFTLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "seq_len": self.seq_len,
-                "fingerprint": self.fingerprint}
+                "fingerprint": self.fingerprint, "packing": self.packing}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["seq_len"]) != self.seq_len:
@@ -321,6 +322,11 @@ class SFTLoader:
             raise ValueError("the SFT data differ from the data the checkpoint was trained on (their token "
                              "fingerprints differ): the rows would not match; restore the data files or choose a "
                              "new --out")
+        packed = state.get("packing", "next_fit")  # a state saved before the option: its rows were next-fit
+        if packed != self.packing:
+            raise ValueError(f"the checkpoint's rows were packed {packed}, this run asks for {self.packing}: packing "
+                             f"cannot change when a run resumes (the epoch in progress and the step count would no "
+                             f"longer match); give packing={packed}, or start a new --out")
         self.seed = int(state["seed"])
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
