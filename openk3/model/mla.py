@@ -60,14 +60,9 @@ class GatedMLA(nn.Module):
         if state is not None:
             assert seg_BT is None, "packed documents are a training/prefill feature"
             ckv_BSC, kpe_BSR, mask = state.extend(ckv_BTC, kpe_BTR)
-        elif seg_BT is not None:
+        else:
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
-            mask = None if impl == "naive" else mla_ops.attention_mask(T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT,
-                                                                      device=x_BTD.device)
-        else:  # the naive form's causal mask is built inside mla_attention_causal, and only where it is used
-            ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
-            mask = None if T == 1 or impl == "naive" else mla_ops.attention_mask(T, T, device=x_BTD.device)
-        if seg_BT is not None and state is None and impl == "naive":
+        if state is None and impl == "naive" and seg_BT is not None:
             # packed rows: one causal attention per document (exact: the masked form's other-document keys
             # get probability 0), at the cost of the squared document lengths instead of T^2
             o_BTHV = mla_ops.mla_attention_documents(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, seg_BT=seg_BT,
@@ -76,6 +71,9 @@ class GatedMLA(nn.Module):
             o_BTHV = mla_ops.mla_attention_causal(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv,
                                                   scale=self.scale)
         else:
+            if state is None:  # the absorbed form without a cache: the causal (block-diagonal) mask, built here
+                mask = None if T == 1 and seg_BT is None else mla_ops.attention_mask(
+                    T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
             attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
             o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
                           mask_BTS=mask)

@@ -116,11 +116,10 @@ PROFILES = {
     # effort (coding low 28.5 > high 25.0 think tokens: low's first calls fit the cap and it went on to a second
     # turn). SFT (8 epochs: at 5 the model read the effort only across short user messages, so agent and coding
     # thinking did not follow it) and eval carry most of the time: the effort ordering comes from the three
-    # verbosities of the SFT traces. nano is cut to
-    # 4 layers: at 9 the same minutes of SFT learn nothing usable. RL and MOPD take a few steps, so the curves
-    # exist and move. Eval is greedy: at temperature 1 a model this briefly trained wanders off its traces, and
-    # where it closes the think channel is then noise (a shorter SFT measured low 43 > high 34 think tokens
-    # sampled, 80 < 87 < 158 greedy)
+    # verbosities of the SFT traces. nano is cut to 4 layers: at 9 the same minutes of SFT learn nothing usable.
+    # RL and MOPD take a few steps, so the curves exist and move. Eval is greedy: at temperature 1 a model this
+    # briefly trained wanders off its traces, and where it closes the think channel is then noise (a shorter SFT
+    # measured low 43 > high 34 think tokens sampled, 80 < 87 < 158 greedy)
     "smoke": Profile(name="smoke", vocab_size=2048, layers=4,
                      general_problems=48, agentic_problems=3, levels=(1,),
                      sft_steps=None, sft_epochs=8, sft_batch=1, sft_grad_accum=1,

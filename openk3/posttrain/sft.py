@@ -44,7 +44,15 @@ from typing import Any
 import torch
 
 from openk3.fsutil import read_json, write_atomic
-from openk3.posttrain.sft_data import OVERFLOW, PACKING, SPLITS, SFTLoader, eval_batches, load_conversations
+from openk3.posttrain.sft_data import (
+    LEGACY_PACKING,
+    OVERFLOW,
+    PACKING,
+    SPLITS,
+    SFTLoader,
+    eval_batches,
+    load_conversations,
+)
 from openk3.train.optim import OptimConfig
 
 # Fields a resumed run may change without `allow_config_change` (they do not change what the remaining
@@ -148,7 +156,7 @@ class SFTConfig:
         """A run's own `sft_config.json`; one written before the `packing` option packed next-fit."""
         d = read_json(path)
         if isinstance(d, dict):
-            d.setdefault("packing", "next_fit")
+            d.setdefault("packing", LEGACY_PACKING)
         return cls.from_dict(d, source=str(path))
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -276,7 +284,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
     changes: list[str] = []
     if saved is not None:
-        saved["config"].setdefault("packing", "next_fit")  # saved before the option existed: packed next-fit
+        saved["config"].setdefault("packing", LEGACY_PACKING)  # saved before the option existed
         free, refused = resume_changes(saved["config"], cfg.to_dict(), SFT_RESUME_FREE)
         if refused and not allow_config_change:
             raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "

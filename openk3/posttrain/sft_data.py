@@ -52,6 +52,7 @@ import torch
 IGNORE_INDEX = -100
 OVERFLOW = ("drop", "truncate")
 PACKING = ("best_fit", "next_fit")
+LEGACY_PACKING = "next_fit"  # what runs saved before the packing option packed
 SPLITS = ("train", "test", "heldout")  # = openk3.posttrain.records.SPLITS, which is imported only to read records
 #: Request keys a plain chat line may carry through to the renderer.
 CHAT_OPTIONS = ("tools", "thinking_effort", "reasoning_effort", "thinking", "enable_thinking")
@@ -322,7 +323,7 @@ class SFTLoader:
             raise ValueError("the SFT data differ from the data the checkpoint was trained on (their token "
                              "fingerprints differ): the rows would not match; restore the data files or choose a "
                              "new --out")
-        packed = state.get("packing", "next_fit")  # a state saved before the option: its rows were next-fit
+        packed = state.get("packing", LEGACY_PACKING)
         if packed != self.packing:
             raise ValueError(f"the checkpoint's rows were packed {packed}, this run asks for {self.packing}: packing "
                              f"cannot change when a run resumes (the epoch in progress and the step count would no "
