@@ -19,17 +19,42 @@ def fp32_island(t: torch.Tensor):
     return torch.autocast(t.device.type, enabled=False)
 
 
+def cpus_available() -> int:
+    """CPUs this process may run on (its affinity mask: a container or `taskset` limit counts)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def fixed_threads(threads: int | None) -> int | None:
+    """The thread count someone chose: `threads`, else $OPENK3_THREADS, else $OMP_NUM_THREADS; None if nobody
+    did. ValueError names a value that is not a count >= 1."""
+    for value, name in ((threads, "threads"), (os.environ.get("OPENK3_THREADS"), "OPENK3_THREADS"),
+                        (os.environ.get("OMP_NUM_THREADS"), "OMP_NUM_THREADS")):
+        if value is None or (isinstance(value, str) and value.strip() in ("", "0")):
+            continue
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a whole number of threads, got {value!r}") from None
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+        return n
+    return None
+
+
 def setup_cpu(threads: int | None = None) -> int:
     """Flush denormals (a 50x slowdown of KDA training on CPU otherwise, spec §10.15); set threads.
 
-    `threads` defaults to $OPENK3_THREADS, else 1 on machines with at most 2 CPUs (a second OpenMP
-    thread stalls for milliseconds per small matmul when the host takes the other vCPU away, which
-    made a nano training step 10x slower on the project's CI machine), else torch's default.
-    Returns the thread count in use.
+    `threads` defaults to `fixed_threads` (the argument, $OPENK3_THREADS, $OMP_NUM_THREADS), else 1 on machines
+    with at most 2 CPUs (a second OpenMP thread stalls for milliseconds per small matmul when the host takes
+    the other vCPU away, which made a nano training step 10x slower on the project's CI machine), else torch's
+    default. `openk3 train` instead measures which is faster (`train/threads.py`). Returns the count in use.
     """
     torch.set_flush_denormal(True)
-    threads = threads or int(os.environ.get("OPENK3_THREADS", "0") or 0)
-    if not threads and (os.cpu_count() or 1) <= 2:
+    threads = fixed_threads(threads)
+    if threads is None and cpus_available() <= 2:
         threads = 1
     if threads:
         torch.set_num_threads(threads)

@@ -16,6 +16,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import assert_close` in every layout
 
 torch.set_num_threads(1)
+# ...and every openk3 entry point the tests call (in process or as a subprocess) stays on one thread: without a
+# count, `openk3 train` measures whether all CPUs are faster and may switch (train/threads.py)
+os.environ.setdefault("OPENK3_THREADS", "1")
 torch.set_flush_denormal(True)
 
 try:  # `with torch.device(...)` caches its set of factory functions on first use: cache the real ones
@@ -51,3 +54,37 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned_new_empty)
     yield
+
+
+# ---- what the run was, and what it could not run -----------------------------------------------------------
+#: Skip reasons that an installable system package removes: (what, words in the reason, apt packages).
+INSTALLABLE = (("bubblewrap", ("bwrap", "bubblewrap"), "bubblewrap"),
+               ("Chromium", ("chromium",), "chromium chromium-driver"))
+
+
+def pytest_report_header(config):
+    isa = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                                      "OPENK3_KERNEL_ISA") if os.environ.get(k)}
+    limits = ", ".join(f"{k}={v}" for k, v in isa.items()) or "none (the machine's own)"
+    return f"openk3: torch CPU capability {torch.backends.cpu.get_cpu_capability()}; ISA limits: {limits}"
+
+
+def pytest_unconfigure(config):
+    """The last line of the run counts the skipped tests by what would run them (scripts/test.sh installs the
+    packages where it may; elsewhere this says which command does). In the controller only (xdist workers)."""
+    terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(config, "workerinput") or terminalreporter is None:
+        return
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    counts: dict[str, int] = {}
+    for rep in skipped:
+        reason = (rep.longrepr[2] if isinstance(rep.longrepr, tuple) else str(rep.longrepr)).lower()
+        what = next((name for name, words, _ in INSTALLABLE if any(w in reason for w in words)), "other reasons")
+        counts[what] = counts.get(what, 0) + 1
+    parts = [f"{n} for want of {what}" if what != "other reasons" else f"{n} for other reasons (SKIPPED lines above)"
+             for what, n in counts.items()]
+    packages = " ".join(pkgs for name, _, pkgs in INSTALLABLE if name in counts)
+    fix = f"; to run them: sudo apt-get install {packages} (scripts/test.sh does it as root)" if packages else ""
+    terminalreporter.write_line(f"openk3: {len(skipped)} test(s) skipped: {', '.join(parts)}{fix}", yellow=True)

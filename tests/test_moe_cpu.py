@@ -5,6 +5,7 @@ the matmul form."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 
 import pytest
@@ -17,6 +18,8 @@ from openk3.model.model import K3ForCausalLM
 from openk3.ops import cbuild, moe_cpu
 from openk3.ops.kda import kda_step, kda_step_fused_
 from openk3.ops.moe import experts_loop
+
+pytestmark = pytest.mark.isa  # results depend on the CPU's kernels: .ci/run reruns them with AVX2 only
 
 F64 = torch.float64
 ACTS = {"situ": ("situ", 4.0, 25.0), "swiglu": ("silu", 4.0, 25.0)}  # GLUS names -> the kernel's recipe
@@ -395,3 +398,28 @@ def test_build_writes_source_and_library_in_a_private_directory(fresh_kernel, mo
     assert work == out_dir and os.path.dirname(work) == str(fresh_kernel) and mode & 0o077 == 0
     assert not os.path.exists(work)
     assert [f for f in os.listdir(fresh_kernel) if not f.startswith("probe_")] == []
+
+
+PROBE_ISA = """int openk3_isa(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 2;
+#else
+    return 0;
+#endif
+}
+"""
+
+
+@needs_cc
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 levels only")
+@pytest.mark.parametrize("isa,want", [("avx2", {2}), ("default", {0}), ("native", {0, 2, 512})])
+def test_kernel_isa_builds_for_less_than_the_machine(fresh_kernel, monkeypatch, isa, want):
+    """$OPENK3_KERNEL_ISA compiles for an x86-64 level below the machine's (what another CPU's users run), in its
+    own cache entry; a bad value is a ValueError naming it, not a silent fallback to torch operators."""
+    monkeypatch.setenv("OPENK3_KERNEL_ISA", isa)
+    assert cbuild.build("probe", PROBE_ISA).openk3_isa() in want
+    monkeypatch.setenv("OPENK3_KERNEL_ISA", "avx9")
+    with pytest.raises(ValueError, match="OPENK3_KERNEL_ISA.*avx9"):
+        cbuild.load("probe", PROBE_ISA, {"openk3_isa": []}, "probe")

@@ -20,6 +20,8 @@ from openk3.ops.moe import experts_loop
 from openk3.quant.mxfp4 import pack, unpack
 from openk3.quant.packed_experts import pack_model_experts_
 
+pytestmark = pytest.mark.isa  # results depend on the CPU's kernels: .ci/run reruns them with AVX2 only
+
 F64 = torch.float64
 ACTS = {"situ": ("situ", 4.0, 25.0), "swiglu": ("silu", 4.0, 25.0)}  # GLUS names -> the kernel's recipe
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler")
@@ -39,15 +41,46 @@ def _packed_inputs(case, C, I, dtype, tokens=None):
     return x.detach().to(dtype), weights.detach().to(dtype), idx, bufs, deq
 
 
-@pytest.fixture(params=["native", "portable"])
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return set(next((line for line in fh if line.startswith("flags")), "").split())
+    except OSError:
+        return set()
+
+
+# The AVX2 form as a third kernel only where the native one is more (an AVX-512 machine then tests both SIMD
+# forms in one pass; elsewhere it would repeat "native" or not build)
+_FORMS = ["native", "portable"] + (["avx2"] if {"avx2", "fma", "avx512f"} <= cpu_flags() else [])
+
+
+@pytest.fixture(params=_FORMS)
 def kernel(request, monkeypatch):
-    """The kernel as built for this machine (AVX-512 dequantiser where the CPU has it) and the portable C one."""
+    """The kernel as built for this machine (its SIMD form: AVX-512 or AVX2 where the CPU has them), the portable
+    C one, and the AVX2 form on a machine with AVX-512."""
+    if request.param == "avx2":
+        monkeypatch.setenv("OPENK3_KERNEL_ISA", "avx2")
     if request.param == "portable":
-        lib = moe_mxfp4_cpu._lib.__wrapped__  # the build function, uncached
         monkeypatch.setattr(cbuild, "FLAGS", [*cbuild.FLAGS, "-DOPENK3_SCALAR"])
-        built = lib()
+    if request.param != "native":
+        built = moe_mxfp4_cpu._lib.__wrapped__()  # the build function, uncached
         monkeypatch.setattr(moe_mxfp4_cpu, "_lib", lambda: built)
     return request.param
+
+
+@needs_cc
+def test_the_simd_form_is_the_one_the_cpu_allows(kernel):
+    """The float32 kernel that runs: AVX-512 where the CPU (and $OPENK3_KERNEL_ISA) has it, else AVX2 + FMA, else
+    portable C; the forced forms as asked."""
+    flags = cpu_flags()
+    isa = os.environ.get("OPENK3_KERNEL_ISA", "native")
+    if kernel == "portable" or isa == "default" or not flags:
+        want = "portable" if kernel == "portable" or isa == "default" else moe_mxfp4_cpu.simd_form()
+    elif kernel == "avx2" or isa == "avx2" or "avx512f" not in flags:
+        want = "avx2" if {"avx2", "fma"} <= flags else "portable"
+    else:
+        want = "avx512"
+    assert moe_mxfp4_cpu.simd_form() == want
 
 
 @needs_cc
@@ -262,7 +295,7 @@ def test_mxfp4_bad_buffers_are_named():
     assert call(x[:, :0], weights, idx, *empty_c, *ACTS["situ"]).shape == (2, 0)  # C = 0: C is never called
 
 
-# ---- the float32 kernel (AVX-512: weights decoded into registers, vector GLU) against float64 ----------------
+# ---- the float32 kernel (SIMD: weights decoded into registers) against float64 ---------------------------------
 
 @needs_cc
 @pytest.mark.parametrize("glu_name", list(GLUS))

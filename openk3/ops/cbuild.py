@@ -2,6 +2,9 @@
 
 The CPU kernels (`moe_cpu.py`, `moe_mxfp4_cpu.py`) are plain C compiled with the system compiler (`$CC`,
 else `cc`; `$CC` may carry arguments) at `-O3 -march=native`, so they fit the machine they run on.
+`$OPENK3_KERNEL_ISA` (x86-64 only) builds them for less than the machine has: `avx2` (x86-64-v3: AVX2 and FMA,
+no AVX-512) or `default` (baseline x86-64: SSE2), so that one machine tests the paths other CPUs take
+(`scripts/test.sh --isa avx2|default`).
 Each library is cached in `$OPENK3_KERNEL_CACHE` (else `$XDG_CACHE_HOME/openk3/kernels`, else
 `~/.cache/openk3/kernels`, else one fixed directory per user under the temporary directory) under a key
 of source + flags + compiler version + architecture + CPU flags: a library built for one CPU is never
@@ -25,7 +28,21 @@ import warnings
 
 # -ffp-contract=fast lets the compiler fuse multiply-adds; `omp simd` pragmas allow vectorised
 # reductions (another summation order than torch's, within rounding; the kernels' float64 tests bound it).
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
+# The -march flag comes from `isa_flags()`.
+FLAGS = ["-O3", "-fopenmp-simd", "-ffp-contract=fast", "-shared", "-fPIC"]
+#: $OPENK3_KERNEL_ISA -> the target flag: the machine's own instruction set, or x86-64 levels below it.
+ISAS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "default": "-march=x86-64"}
+
+
+def isa_flags() -> list[str]:
+    """The -march flag for $OPENK3_KERNEL_ISA (default "native"). ValueError names a bad value; asking an x86
+    level of another architecture is an error too (the compiler would refuse it)."""
+    isa = os.environ.get("OPENK3_KERNEL_ISA", "").strip().lower() or "native"
+    if isa not in ISAS:
+        raise ValueError(f"OPENK3_KERNEL_ISA must be one of {', '.join(ISAS)}, got {isa!r}")
+    if isa != "native" and platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"OPENK3_KERNEL_ISA={isa} names an x86-64 level; this machine is {platform.machine()}")
+    return [ISAS[isa]]
 
 
 def _private(path: str) -> bool:
@@ -71,7 +88,7 @@ def machine_key(source: str, flags: list[str], cc: list[str]) -> str:
 def build(prefix: str, source: str, flags: list[str] | None = None) -> ctypes.CDLL:
     """Compile `source` (C) into `<cache>/<prefix>_<key>.so` unless already there; return it loaded.
     Raises RuntimeError when there is no compiler or it fails (callers fall back to torch operators)."""
-    flags = FLAGS if flags is None else flags
+    flags = [*isa_flags(), *FLAGS] if flags is None else flags
     cc = shlex.split(os.environ.get("CC") or "cc")
     if not cc or shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler ({os.environ.get('CC') or 'cc'!r} not found)")
@@ -112,6 +129,7 @@ def load(prefix: str, source: str, functions: dict[str, list], what: str) -> cty
     callers keep their torch paths. Kernel modules cache the result per process."""
     if disabled():
         return None
+    isa_flags()  # a bad $OPENK3_KERNEL_ISA is the user's error, not a missing compiler
     try:
         lib = build(prefix, source)
     except Exception as e:  # noqa: BLE001 - any build failure only costs speed

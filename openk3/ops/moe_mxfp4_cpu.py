@@ -4,16 +4,16 @@ weight): decode reads the packed bytes, never a dequantised copy.
 Why: a decode step's routed experts cost about the bytes of their weights (one CPU core streams them).
 Kept packed (`openk3.quant.PackedExperts`), an expert is 7.5x smaller than in float32, so a step reads
 7.5x fewer expert bytes; `experts_packed` (torch operators) instead dequantises each touched expert
-into a temporary and runs three matmuls on it. Two forms of the kernel, tested equal:
+into a temporary and runs three matmuls on it. Two kinds of kernel, tested equal:
 
-* float32 on AVX-512 (the decode path): no weight row is materialised. Each 32-element group is decoded
-  into two registers (a 16-entry E2M1 table pre-multiplied by the group's E8M0 scale 2^(b-127), looked
-  up by the low and by the high nibbles: the group's even and odd elements) and multiplied straight
-  into accumulators, against inputs stored de-interleaved to match. The sums of 16 rows are reduced
-  together (a transposing tree: 45 instructions for 16 sums) and the GLU runs 16 rows at a time (vector
-  exp and tanh). An expert's tokens go four at a time: gate/up rows, GLU, down rows weighted into the
-  output. At nano-kl's expert shape it took a layer's 16-token call from 145 to 48 us and a one-token
-  call from 15 to 7.5 us (one core) against the row-buffer form it replaced.
+* float32 on AVX-512 or AVX2 + FMA (the decode path; `moe_mxfp4_simd.py`): no weight row is materialised.
+  Each 32-element group's packed bytes are decoded in registers (the E2M1 table pre-multiplied by the group's
+  E8M0 scale 2^(b-127), looked up by the low and by the high nibbles: the group's even and odd elements) and
+  multiplied straight into accumulators, against inputs stored de-interleaved to match; the sums of a block
+  of rows are reduced together, then the GLU; an expert's tokens go four at a time: gate/up rows, GLU, down
+  rows weighted into the output. On AVX-512 at nano-kl's expert shape it took a layer's 16-token call from
+  145 to 48 us and a one-token call from 15 to 7.5 us (one core) against the row-buffer form it replaced;
+  the AVX2 form's figures are in docs/benchmarks.md.
 * portable C (float64, and float32 elsewhere or with `-DOPENK3_SCALAR`): one weight row at a time is
   decoded into a buffer that stays in L1 and run past up to 64 of the expert's tokens, four per pass,
   as `moe_cpu.py` does for float weights.
@@ -48,207 +48,7 @@ from openk3.ops.moe_cpu import (
     inputs_as_is,
     lean_inputs,
 )
-
-# The float32 kernel on AVX-512 (the decode path): no weight row is materialised. Each 32-element group
-# is decoded into two registers (its even and odd elements: low and high nibbles through the 16-entry
-# table pre-multiplied by the group's scale) and multiplied straight into accumulators against inputs
-# stored de-interleaved to match, so no permutation restores element order. The sums of 16 rows are
-# reduced together by a transposing tree (45 operations for 16 sums instead of ~8 per sum), and the GLU
-# runs on 16 rows at once (a vector exp and tanh of ~2 ulp). Tokens of an expert go four at a time.
-_AVX512_F32 = r"""
-#include <immintrin.h>
-
-/* e^x to ~1 ulp: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial in r, times 2^n. The clamps keep
-   NaN (max/min return their second operand on NaN) and give 0 and inf beyond float range. */
-static inline __m512 exp_v(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(89.f), _mm512_max_ps(_mm512_set1_ps(-104.f), x));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* tanh: an odd polynomial below |y| = 0.625 (no cancellation near 0), else 1 - 2 / (e^{2|y|} + 1). */
-static inline __m512 tanh_v(__m512 y) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    __m512 a = _mm512_abs_ps(y), z = _mm512_mul_ps(y, y);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
-    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), y, y);
-    __m512 big = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.f),
-                                                  _mm512_add_ps(exp_v(_mm512_add_ps(a, a)), one)));
-    big = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(big), _mm512_and_si512(
-        _mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u))));  /* sign of y */
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big, small);
-}
-
-/* glu_f32 on 16 rows, the same recipe and order of operations. */
-static inline __m512 glu_v(__m512 g, __m512 u, int act, float b1, float b2) {
-    const __m512 one = _mm512_set1_ps(1.f);
-    __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_v(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    if (act == ACT_SILU) return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
-    __m512 v1 = _mm512_set1_ps(b1), v2 = _mm512_set1_ps(b2);
-    __m512 tg = _mm512_mul_ps(v1, tanh_v(_mm512_div_ps(g, v1)));
-    __m512 tu = _mm512_mul_ps(v2, tanh_v(_mm512_div_ps(u, v2)));
-    return _mm512_mul_ps(_mm512_mul_ps(tg, sig), tu);
-}
-
-/* r[j] = the sum of v[j]'s 16 lanes, j < 16: pairs of vectors are interleaved and added, halving the
-   vectors at each of four levels (within 128-bit lanes twice, then across them twice). */
-static inline __m512 hsum16(const __m512 *v) {
-    __m512 s[8], t[4], w[2];
-    for (int k = 0; k < 8; k++)
-        s[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
-                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++)
-        t[k] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * k], s[2 * k + 1], 0x44),
-                             _mm512_shuffle_ps(s[2 * k], s[2 * k + 1], 0xEE));
-    for (int k = 0; k < 2; k++)
-        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * k], t[2 * k + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-}
-
-/* One 32-element group: its 16 bytes -> even elements (low nibbles) and odd ones (high nibbles), scaled.
-   vpermps reads only an index's low 4 bits, so the low nibble needs no mask. */
-#define DEQ_GROUP(ptr, sbyte, ev, od) do {                                                            \
-    __m512 ls_ = _mm512_mul_ps(lut, _mm512_set1_ps(scale_f32(sbyte)));                                \
-    __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ptr)));                       \
-    ev = _mm512_permutexvar_ps(v_, ls_);                                                              \
-    od = _mm512_permutexvar_ps(_mm512_srli_epi32(v_, 4), ls_);                                        \
-} while (0)
-
-static inline int any_nan_scale(const uint8_t *s, int64_t n) {
-    int bad = 0;
-    for (int64_t j = 0; j < n; j++) bad |= s[j] == 255;
-    return bad;
-}
-
-/* Groups of 32 stored as their 16 even then 16 odd elements (the order DEQ_GROUP yields weights in). */
-static inline void deinterleave(const float *a, int64_t n, float *o) {
-    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    for (int64_t g = 0; g < n; g += 32) {
-        __m512 lo = _mm512_loadu_ps(a + g), hi = _mm512_loadu_ps(a + g + 16);
-        _mm512_storeu_ps(o + g, _mm512_permutex2var_ps(lo, ev, hi));
-        _mm512_storeu_ps(o + g + 16, _mm512_permutex2var_ps(lo, od, hi));
-    }
-}
-
-/* nl (1..4, a constant after inlining) tokens of expert e: xt their de-interleaved inputs, ot their output
-   rows, wt their routing weights. hn/hd: [4][I] scratch; S: [2][4][16] accumulators. */
-static inline __attribute__((always_inline)) void expert_block_f32(
-        const int nl, int64_t e, int64_t en, int pf, const float *const *xt, float *const *ot, const float *wt,
-        int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
-        const uint8_t *p2, const uint8_t *s2, int64_t I, int act, float b1, float b2,
-        float *hn, float *hd, __m512 (*S)[4][16]) {
-    const __m512 lut = _mm512_loadu_ps(E2M1_f32);
-    const int64_t pc = C / 2, sc = C / 32, pi = I / 2, si = I / 32;
-    for (int64_t ib = 0; ib < I; ib += 16) {  /* gate and up: 16 rows, then their sums and GLU at once */
-        for (int r = 0; r < 16; r++) {
-            int64_t row = e * I + ib + r, nrow = en * I + ib + r;
-            if (pf) {
-                for (int64_t b = 0; b < pc; b += 64) {
-                    __builtin_prefetch(p1 + nrow * pc + b, 0, 1); __builtin_prefetch(p3 + nrow * pc + b, 0, 1); }
-                __builtin_prefetch(s1 + nrow * sc, 0, 1); __builtin_prefetch(s3 + nrow * sc, 0, 1);
-            }
-            __m512 ag[4], au[4];
-            for (int t = 0; t < nl; t++) ag[t] = au[t] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < sc; g++) {
-                __m512 e1, o1, e3, o3;
-                DEQ_GROUP(p1 + row * pc + g * 16, s1[row * sc + g], e1, o1);
-                DEQ_GROUP(p3 + row * pc + g * 16, s3[row * sc + g], e3, o3);
-                for (int t = 0; t < nl; t++) {
-                    __m512 xe = _mm512_loadu_ps(xt[t] + g * 32), xo = _mm512_loadu_ps(xt[t] + g * 32 + 16);
-                    ag[t] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, ag[t]));
-                    au[t] = _mm512_fmadd_ps(o3, xo, _mm512_fmadd_ps(e3, xe, au[t]));
-                }
-            }
-            for (int t = 0; t < nl; t++) { S[0][t][r] = ag[t]; S[1][t][r] = au[t]; }
-        }
-        for (int t = 0; t < nl; t++)
-            _mm512_storeu_ps(hn + t * I + ib, glu_v(hsum16(S[0][t]), hsum16(S[1][t]), act, b1, b2));
-    }
-    for (int t = 0; t < nl; t++) deinterleave(hn + t * I, I, hd + t * I);
-    for (int64_t cb = 0; cb < C; cb += 16) {  /* down: 16 output columns, then weighted into each row */
-        for (int r = 0; r < 16; r++) {
-            int64_t row = e * C + cb + r, nrow = en * C + cb + r;
-            if (pf) {
-                for (int64_t b = 0; b < pi; b += 64) __builtin_prefetch(p2 + nrow * pi + b, 0, 1);
-                __builtin_prefetch(s2 + nrow * si, 0, 1);
-            }
-            __m512 a[4];
-            for (int t = 0; t < nl; t++) a[t] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < si; g++) {
-                __m512 ev, od;
-                DEQ_GROUP(p2 + row * pi + g * 16, s2[row * si + g], ev, od);
-                for (int t = 0; t < nl; t++)
-                    a[t] = _mm512_fmadd_ps(od, _mm512_loadu_ps(hd + t * I + g * 32 + 16),
-                                           _mm512_fmadd_ps(ev, _mm512_loadu_ps(hd + t * I + g * 32), a[t]));
-            }
-            for (int t = 0; t < nl; t++) S[0][t][r] = a[t];
-        }
-        for (int t = 0; t < nl; t++)
-            _mm512_storeu_ps(ot[t] + cb, _mm512_fmadd_ps(_mm512_set1_ps(wt[t]), hsum16(S[0][t]),
-                                                         _mm512_loadu_ps(ot[t] + cb)));
-    }
-}
-
-int openk3_moe_mxfp4_f32(const float *x, const int64_t *idx, const float *wts, int64_t N, int64_t K, int64_t C,
-                         const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
-                         const uint8_t *p2, const uint8_t *s2, int64_t E, int64_t I, int act, double b1,
-                         double b2, float *out) {
-    int64_t M = N * K;
-    int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *order = malloc(sizeof(int64_t) * (M + 1));
-    float *xd = malloc(sizeof(float) * (N * C + 1)), *hn = malloc(sizeof(float) * 4 * I + 64);
-    float *hd = malloc(sizeof(float) * 4 * I + 64);
-    __m512 S[2][4][16];
-    int rc = (start && order && xd && hn && hd) ? sort_pairs(idx, M, E, start, order) : -2;
-    if (rc == 0) {
-        memset(out, 0, sizeof(float) * N * C);
-        for (int64_t n = 0; n < N; n++) deinterleave(x + n * C, C, xd + n * C);
-    }
-    for (int64_t e = 0; rc == 0 && e < E; e++) {
-        if (start[e + 1] == start[e]) continue;
-        if (any_nan_scale(s1 + e * I * (C / 32), I * (C / 32)) || any_nan_scale(s3 + e * I * (C / 32), I * (C / 32))
-            || any_nan_scale(s2 + e * C * (I / 32), C * (I / 32))) { rc = -3; break; }
-        int64_t en = e + 1;
-        while (en < E && start[en + 1] == start[en]) en++;
-        for (int64_t q = start[e]; q < start[e + 1]; q += 4) {
-            int nl = (int)(start[e + 1] - q < 4 ? start[e + 1] - q : 4);
-            int pf = en < E && q == start[e];  /* the next touched expert, while this one's first block runs */
-            const float *xt[4]; float *ot[4]; float wt[4];
-            for (int t = 0; t < nl; t++) {
-                int64_t m = order[q + t];
-                xt[t] = xd + (m / K) * C; ot[t] = out + (m / K) * C; wt[t] = wts[m];
-            }
-#define BLOCK(NL) expert_block_f32(NL, e, pf ? en : e, pf, xt, ot, wt, C, p1, s1, p3, s3, p2, s2, I, act, \
-                                   (float)b1, (float)b2, hn, hd, S)
-            switch (nl) {
-                case 1: BLOCK(1); break;
-                case 2: BLOCK(2); break;
-                case 3: BLOCK(3); break;
-                default: BLOCK(4);
-            }
-#undef BLOCK
-        }
-    }
-    free(start); free(order); free(xd); free(hn); free(hd);
-    return rc;
-}
-"""
-
+from openk3.ops.moe_mxfp4_simd import SOURCE_F32
 
 _SOURCE = C_COMMON + r"""
 static const float E2M1_f32[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -368,13 +168,16 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
     return rc;                                                                                      \
 }
 
-#if defined(__AVX512F__) && !defined(OPENK3_SCALAR)
-""" + _AVX512_F32 + r"""
-#else
+""" + SOURCE_F32 + r"""
+#ifndef OPENK3_SIMD_F32
+#define OPENK3_SIMD_F32 0
 DEQ_SCALAR(float, f32)
 DEFINE(float, f32)
 #endif
 DEFINE(double, f64)
+
+/* Which float32 form was built: 512 (AVX-512), 2 (AVX2 + FMA) or 0 (portable C). */
+int openk3_moe_mxfp4_simd(void) { return OPENK3_SIMD_F32; }
 """
 
 # `PackedExperts` buffers in the kernel's argument order (the model and the benchmark pass them so).
@@ -385,8 +188,14 @@ _ARGS = [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _L, _L, ctypes.c_int, _
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
-    return cbuild.load("moe_mxfp4", _SOURCE, {"openk3_moe_mxfp4_f32": _ARGS, "openk3_moe_mxfp4_f64": _ARGS},
-                       "MXFP4 CPU MoE kernel")
+    return cbuild.load("moe_mxfp4", _SOURCE, {"openk3_moe_mxfp4_f32": _ARGS, "openk3_moe_mxfp4_f64": _ARGS,
+                                              "openk3_moe_mxfp4_simd": []}, "MXFP4 CPU MoE kernel")
+
+
+def simd_form() -> str | None:
+    """The float32 form this process's kernel was built with: "avx512", "avx2", "portable"; None without one."""
+    lib = _lib()
+    return None if lib is None else {512: "avx512", 2: "avx2", 0: "portable"}[lib.openk3_moe_mxfp4_simd()]
 
 
 def available() -> bool:

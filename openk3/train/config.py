@@ -86,7 +86,7 @@ class TrainConfig:
     # tokenizer and data plumbing
     tokenizer: str | None = None  # a tokenizer folder; None: train one (model.vocab_size) into <out>/tokenizer
     cache_dir: str | None = None  # tokenised-data cache; None: <out>/../.cache
-    threads: int | None = None  # None: $OPENK3_THREADS, else 1 on small hosts (`setup_cpu`)
+    threads: int | None = None  # None: $OPENK3_THREADS / $OMP_NUM_THREADS, else measured (train/threads.py)
     peak_flops: float | None = None  # FLOP/s for MFU; None: the CPU table x threads (no figure on CUDA)
     # end-of-run samples
     samples: int = 2

@@ -66,6 +66,7 @@ from openk3.train.state import (
     set_rng_state,
     step_dir_name,
 )
+from openk3.train.threads import ThreadTuner
 
 IGNORE_INDEX = -100
 EventHook = Callable[[str, dict], None]
@@ -138,6 +139,15 @@ class Trainer:
         self.flops_per_token = flops_per_token(model, cfg.seq_len, training=True)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.peak = cfg.peak_flops or peak_flops(dtype, threads, self.device.type)
+        self.threads = threads
+
+    def use_threads(self, n: int) -> None:
+        """Run the next steps on `n` CPU threads (MFU is then measured against `n` cores)."""
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        dtype = torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+        self.peak = self.cfg.peak_flops or peak_flops(dtype, n, self.device.type)
+        self.threads = n
 
     # ---- one step ----
     def train_step(self, batch: dict) -> dict:
@@ -210,7 +220,7 @@ class Trainer:
                "grad_norm": float(grad_norm), "tokens": self.tokens, "tokens_per_s": tps,
                "mfu": mfu(tps, self.flops_per_token, self.peak * self.mesh.world_size),
                "load_max_over_mean": max((s["max_over_mean"] for s in stats.values()), default=None),
-               "step_time": dt, "elapsed": self.elapsed}
+               "step_time": dt, "elapsed": self.elapsed, "threads": self.threads}
         if aux is not None:
             rec["aux_loss"] = aux.item()
         if clipped is not None:
@@ -375,7 +385,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
            allow_config_change: bool, on_event: EventHook | None) -> dict:
     """`train` in one process of the mesh: rank 0 writes (folder, tokenizer, cache first; then metrics,
     plots, checkpoints), every rank computes."""
-    from openk3.common import seed_everything, setup_cpu
+    from openk3.common import cpus_available, fixed_threads, seed_everything, setup_cpu
     from openk3.data.loader import PackedLoader
     from openk3.data.shards import build_dataset
     from openk3.model.model import K3ForCausalLM
@@ -384,7 +394,11 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     main = mesh.is_main
     say, warn = (_say, _warn) if main else (_quiet, _quiet)
     out.mkdir(parents=True, exist_ok=True)
-    threads = setup_cpu(cfg.threads)
+    # one process on the CPU with no thread count given: all CPUs or one, measured as it trains (train/threads.py)
+    tuner = None
+    if fixed_threads(cfg.threads) is None and not mesh.distributed and torch.device(device).type == "cpu":
+        tuner = ThreadTuner(cpus_available())
+    threads = setup_cpu(tuner.choice if tuner else cfg.threads)
 
     with mesh.main_first():  # rank 0 removes torn saves; then every rank reads the newest intact checkpoint
         # (several processes read a multi-process save's weights from its DCP shards once the model is laid out)
@@ -442,8 +456,11 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep}, pp {cfg.parallel.pp})" if mesh.distributed else ""
     if trainer.pipeline is not None:
         ranks += "; stages (layers) " + ", ".join(f"{a}-{b - 1}" for a, b in trainer.pipeline.bounds)
+    auto = f" to start (auto: {tuner.options[0]} or 1, whichever steps faster)" if tuner and len(tuner.options) > 1 \
+        else ""
     say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
-        f"(train), {threads} thread(s){ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} tokens")
+        f"(train), {threads} thread(s){auto}{ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} "
+        "tokens")
 
     metrics_path = out / "metrics.jsonl"
     resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say, write=main)
@@ -515,9 +532,13 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
     try:
         while trainer.step < cfg.max_steps:
+            if tuner is not None:
+                trainer.use_threads(tuner.threads_for(trainer.step + 1))
             rec = trainer.train_step(loader.next())
             log.log(rec)
             step = trainer.step
+            if tuner is not None and (note := tuner.record(step, rec["step_time"])) and main:
+                bar.write(f"[train] {note}")
             postfix = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
             if rec["mfu"] is not None:
                 postfix["mfu"] = f"{rec['mfu']:.1%}"
