@@ -127,6 +127,8 @@ def test_shell_text_says_how_the_command_ended():
     assert shell_text(RunResult(2, "out\n", "err\n", False)) == "out\n[stderr]\nerr\n[exit code 2]"
     assert shell_text(RunResult(-9, "", "", True, 1.04)) == "[timed out after 1.0 s; the command was killed]"
     assert shell_text(RunResult(-1, "", "", False, 0, False, "agent died")) == "[sandbox error: agent died]"
+    assert shell_text(RunResult(1, "o\n", "", False, 0, False, None, "X not kept")) == (
+        "o\n[sandbox notice: X not kept]\n[exit code 1]")
 
 
 def test_bad_arguments_are_value_errors_naming_the_field():
@@ -267,6 +269,21 @@ def test_p5_a_dead_sandbox_agent_truncates_the_episode(env, monkeypatch):
     obs, reward, terminated, truncated, info = env.step(turn("", call("Shell", command="ls")))
     assert (truncated, info["reason"], info["error"]) == (True, "sandbox_error", "the sandbox agent died")
     assert "[sandbox error: the sandbox agent died]" in info["calls"][0]["output"]
+
+
+@needs_sandbox
+def test_c1_s5_hostile_shell_state_neither_raises_in_step_nor_passes_unsaid(env):
+    """Issue 28: folders past PATH_MAX made grading (a fork: a snapshot) raise SandboxError out of `step`;
+    a 20 MB exported variable emptied the whole environment without a word."""
+    env.reset()
+    deep = "for i in $(seq 21); do mkdir -p " + "d" * 200 + " && cd " + "d" * 200 + "; done; echo x > f"
+    big = 'export BIG="$(head -c 20000000 /dev/zero | tr "\\0" x)"'
+    obs, _, _, _, info = env.step(turn("", call("Shell", command=f"{deep}; {big}; cd /workspace")))
+    assert "BIG (20000004 bytes)" in info["calls"][0]["output"] and "131071" in obs.messages[-1]["content"]
+    obs, _, _, _, info = env.step(turn("", call("Shell", command="sed -i 's/a - b/a + b/' calc.py; echo $HOME")))
+    assert info["calls"][0]["output"] == "/workspace"  # the rest of the environment was kept
+    _, reward, terminated, truncated, info = env.step(turn("", call("Submit", answer="fixed")))
+    assert (reward, terminated, truncated, info["reason"]) == (1.0, True, False, "submit")
 
 
 @needs_sandbox

@@ -245,6 +245,10 @@ with Sandbox(files={"a.txt": "1"}) as sb:
     kids.append(sb.fork(1)[0])  # the copy-out reads what the sandboxed code made unreadable
     assert kids[-1].run("chmod 755 /workspace/locked/in; chmod 644 /workspace/locked/in/f; "
                         "cat /workspace/locked/in/f").stdout == "s\n"
+    deep = "cd /workspace; for i in $(seq 21); do mkdir -p " + "d" * 200 + " && cd " + "d" * 200 + "; done; "
+    sb.run(deep + "echo deep > f")  # past PATH_MAX: the copy-out falls back to fstree.py, as this user too
+    kids.append(sb.fork(1)[0])
+    assert kids[-1].run(deep + "cat f").stdout == "deep\n"
     sb.restore(snap)
     assert sb.run("cat /workspace/a.txt").stdout == "1"
     assert sb.run("python3 -c 'import socket; socket.socket()'").exit_code != 0
@@ -270,7 +274,7 @@ def test_the_same_contract_holds_for_an_unprivileged_host_process(tmp_path):
         os.makedirs(pkg)
         open(os.path.join(pkg, "__init__.py"), "w").close()
         for name in ("sandbox.py", "layers.py", "proc.py", "cgroup.py", "seccomp.py", "agentd.py", "toolbox.py",
-                     "toolbox_apps.py"):
+                     "toolbox_apps.py", "fstree.py"):
             src = os.path.join(sandbox_mod.AGENT_DIR, name)
             if os.path.exists(src):
                 shutil.copy(src, pkg)

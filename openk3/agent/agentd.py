@@ -5,7 +5,7 @@ It runs under the system `/usr/bin/python3` inside the namespaces, so it imports
 
     {"op": "run", "command": str, "timeout": float, "cwd": str, "env": {str: str}}
         -> {"ok": true, "exit_code": int, "stdout": str, "stderr": str, "timed_out": bool,
-            "duration": float, "cwd": str, "env": {...}, "truncated": bool}
+            "duration": float, "cwd": str, "env": {...}, "truncated": bool[, "notice": str]}
     {"op": "tool", "name": str, "args": {...}, "options": {...}}  -> toolbox.dispatch's dict
     {"op": "ping"} -> {"ok": true, "pid": int}
     {"op": "exit"} -> (no reply; every process of the sandbox is killed)
@@ -16,9 +16,12 @@ treats them as untrusted (size-bounded, schema-checked), because sandboxed code 
 
 Shell state persists as metadata, not as a live shell: each command is a fresh `bash -c` in its own process
 group, started in the recorded cwd with the recorded exported environment; an EXIT trap writes the final
-`$PWD` and `env -0` to a private pipe. So `cd` and `export` carry over between calls, and the state is plain
-data that a snapshot can store. Anything still running when the command returns (daemons, `&` jobs) is
-killed before the reply: nothing outlives its call.
+`$PWD` and the exported variables and functions to a private pipe, with shell builtins only (an external
+`env` could not even start once one variable is too big to pass to a program). So `cd` and `export` carry
+over between calls, and the state is plain data that a snapshot can store. What cannot be carried (a
+variable past Linux's per-string limit, an environment past ENV_CAP, a cwd past PATH_MAX) is named in the
+reply's `notice`, never dropped silently. Anything still running when the command returns (daemons, `&`
+jobs) is killed before the reply: nothing outlives its call.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import os
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -36,13 +40,35 @@ LINE_CAP = 2_000  # characters per line
 READ_CAP = 8 << 20  # bytes read per stream before the rest is drained unread
 REPLY_CAP = 12 << 20  # bytes of one JSON reply (the host accepts 16 MiB): bigger results become an error reply
 KILL_GRACE = 2.0  # seconds between SIGTERM and SIGKILL of a timed-out command
+# What the next call's execve can take: one NAME=value string at most MAX_ARG_STRLEN (32 pages) with its NUL;
+# all of them, with the command, within a quarter of the stack limit (2 MiB by default): room is left for it.
+VAR_CAP = 32 * 4096 - 1
+ENV_CAP = 1 << 20
+ENV_COUNT_CAP = 4000  # variables (the host takes fewer than 4096)
+PATH_CAP = 4095  # PATH_MAX less its NUL: a deeper cwd cannot be entered by name
 
 # The EXIT trap runs however the command ends (exit N, end of script, set -e): it reports where the shell
-# stands. $1 is the user's command; FD is the state pipe. The command inherits it and may write its own
-# state there, which is harmless: it could `cd` and `export` anyway.
+# stands, NUL-separated: $PWD, NAME=value per exported variable, BASH_FUNC_name%%=() {...} per exported
+# function (env's form). Builtins only, so no exec can fail on a huge variable, and one fork for the names
+# (each call pays for it); `|| :` keeps set -e from cutting it short. @STATE@ is the state pipe: the command
+# inherits it and may write its own state there, which is harmless (it could `cd` and `export` anyway). The
+# command itself is read from the memfd @COMMAND@ (by `read`: `$(< file)` would fork), not passed as an
+# argument: Linux refuses to start a program with an argument over 128 KiB.
+# All on the first line, so that the command's own line 1 is "line 2" in bash's messages, as it always was.
 _WRAPPER = (
-    'trap \'__openk3_rc=$?; { printf "%s\\0" "$PWD"; env -0; } >&FD 2>/dev/null; exit $__openk3_rc\' EXIT\n'
-    'eval "$1"\n'
+    r"""__openk3_state() { builtin printf '%s\0' "$PWD"; """
+    r"""builtin mapfile -t __openk3_l < <(builtin compgen -e; builtin declare -F); """
+    r"""for __openk3_n in "${__openk3_l[@]}"; do """
+    r"""if [[ $__openk3_n == "declare -"* ]]; then """  # a function: "declare -f[x] name"
+    r"""__openk3_f=${__openk3_n#declare -} __openk3_n=${__openk3_n##* }; """
+    r"""[[ ${__openk3_f%% *} == *x* ]] || continue; """
+    r"""__openk3_d=$(builtin declare -f -- "$__openk3_n"); """
+    r"""builtin printf 'BASH_FUNC_%s%%%%=() %s\0' "$__openk3_n" "${__openk3_d#*$'\n'}"; """
+    r"""elif [[ -v $__openk3_n ]]; then builtin printf '%s=%s\0' "$__openk3_n" "${!__openk3_n}"; fi; """
+    r"""done; }; """
+    r"""trap '__openk3_rc=$?; { __openk3_state; } >&@STATE@ 2>/dev/null || :; exit $__openk3_rc' EXIT; """
+    r"""IFS= read -r -d '' __openk3_c < /dev/fd/@COMMAND@ || :""" "\n"
+    r"""eval "$__openk3_c" """ "\n"
 )
 
 
@@ -100,21 +126,51 @@ def _reap() -> None:
             return
 
 
+def start_dir(cwd: str) -> tuple[str, str | None]:
+    """Where a command starts: the recorded cwd; else /workspace (the folder was removed, or a restore went
+    back before it existed), or / when the code made even /workspace unenterable (chmod 000). A folder that
+    is there but cannot be entered is named in a notice: a call must never fail for where it starts."""
+    why = None
+    try:
+        if not stat.S_ISDIR(os.stat(cwd).st_mode):
+            why = "not a folder"
+        elif not os.access(cwd, os.X_OK):
+            why = "permission denied"
+        else:
+            return cwd, None
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as e:
+        why = e.strerror
+    start = "/workspace" if os.access("/workspace", os.X_OK) else "/"
+    if why is None and start == "/workspace":
+        return start, None
+    return start, f"the working directory {cwd} cannot be entered ({why or 'removed'}): this call starts in {start}"
+
+
 def run(command: str, timeout: float, cwd: str, env: dict[str, str]) -> dict:
-    if not os.path.isdir(cwd):  # the directory was removed, or a restore went back before it existed
-        cwd = "/workspace"
+    cwd, moved = start_dir(cwd)
     state_r, state_w = os.pipe()
-    os.set_inheritable(state_w, True)
+    cmd_fd = os.memfd_create("openk3-command")
+    data = command.encode("utf-8", "surrogateescape")
+    while data:
+        data = data[os.write(cmd_fd, data):]
+    wrapper = _WRAPPER.replace("@STATE@", str(state_w)).replace("@COMMAND@", str(cmd_fd))
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        ["/bin/bash", "-c", _WRAPPER.replace("FD", str(state_w)), "bash", command],
-        cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True, pass_fds=(state_w,),
-    )
-    os.close(state_w)
+    try:
+        proc = subprocess.Popen(
+            ["/bin/bash", "-c", wrapper, "bash"], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(state_w, cmd_fd),
+        )
+    except BaseException:
+        os.close(state_r)
+        raise
+    finally:
+        os.close(state_w)
+        os.close(cmd_fd)
     state_f = os.fdopen(state_r, "rb", buffering=0)
-    bufs: dict[int, bytearray] = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray(),
-                                  state_r: bytearray()}
+    out, err, state = bytearray(), bytearray(), ShellState()
+    sinks = {proc.stdout.fileno(): _capped(out), proc.stderr.fileno(): _capped(err), state_r: state.feed}
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     sel.register(proc.stderr, selectors.EVENT_READ)
@@ -135,35 +191,95 @@ def run(command: str, timeout: float, cwd: str, env: dict[str, str]) -> dict:
         if term_at is not None and now >= term_at + KILL_GRACE:
             _signal_group(proc.pid, signal.SIGKILL)
         for key, _ in sel.select(timeout=0.05):
-            _read_into(key.fileobj, bufs, sel)
+            _read_into(key.fileobj, sinks, sel)
     # The command is done: whatever it left running (daemons, `&` jobs) holds pipes open; kill it all,
     # then drain what was written.
     kill_others()
     for key in list(sel.get_map().values()):
-        while _read_into(key.fileobj, bufs, sel):
+        while _read_into(key.fileobj, sinks, sel):
             pass
     sel.close()
-    state = bufs[state_r]
+    state.finish()
     state_f.close()
-    new_cwd, new_env = cwd, env
-    parts = bytes(state).split(b"\0")
-    if len(parts) >= 2 and len(state) < READ_CAP:  # a state cut at the cap is not trusted: keep the old one
-        new_cwd = parts[0].decode("utf-8", "replace")
-        new_env = {}
-        for item in parts[1:]:
-            if b"=" in item:
-                k, v = item.split(b"=", 1)
-                new_env[k.decode("utf-8", "replace")] = v.decode("utf-8", "replace")
-        for k in ("PWD", "OLDPWD", "SHLVL", "_"):
-            new_env.pop(k, None)
+    new_cwd, new_env = (cwd, env) if state.cwd is None else (state.cwd, state.env)  # no report: keep the old
     rc = proc.returncode
-    stdout, t1 = _cap_text(bytes(bufs[proc.stdout.fileno()]).decode("utf-8", "replace"))
-    stderr, t2 = _cap_text(bytes(bufs[proc.stderr.fileno()]).decode("utf-8", "replace"))
-    return {
+    stdout, t1 = _cap_text(bytes(out).decode("utf-8", "replace"))
+    stderr, t2 = _cap_text(bytes(err).decode("utf-8", "replace"))
+    reply = {
         "ok": True, "exit_code": rc if rc >= 0 else 128 - rc, "stdout": stdout, "stderr": stderr,
         "timed_out": timed_out, "duration": time.monotonic() - t0, "cwd": new_cwd, "env": new_env,
         "truncated": t1 or t2,
     }
+    notices = [moved] if moved else []
+    if notices + state.notices:
+        reply["notice"] = "; ".join(notices + state.notices)
+    return reply
+
+
+class ShellState:
+    """The EXIT trap's report, parsed as it streams in: `cwd` (None until it came whole) and `env`, with
+    what could not be kept for the next call named in `notices`. Memory stays bounded however big the
+    report: an item is buffered only up to VAR_CAP + 1 bytes, and beyond the caps only names are kept."""
+
+    def __init__(self) -> None:
+        self.cwd: str | None = None
+        self.env: dict[str, str] = {}
+        self.size = 0  # bytes of the kept variables, each with its NUL
+        self.dropped = {"big": [], "total": [], "count": []}  # reason -> the first 5 (name, bytes) it dropped
+        self.dropped_count = {"big": 0, "total": 0, "count": 0}
+        self.notices: list[str] = []
+        self._item, self._len = bytearray(), 0
+
+    def feed(self, chunk: bytes) -> None:
+        start = 0
+        while True:
+            end = chunk.find(b"\0", start)
+            part = chunk[start:] if end < 0 else chunk[start:end]
+            if len(self._item) <= VAR_CAP:
+                self._item += part[: VAR_CAP + 1 - len(self._item)]
+            self._len += len(part)
+            if end < 0:
+                return
+            self._take(bytes(self._item), self._len)
+            self._item, self._len = bytearray(), 0
+            start = end + 1
+
+    def _take(self, item: bytes, size: int) -> None:
+        if self.cwd is None:
+            self.cwd = item.decode("utf-8", "replace")
+            if size > PATH_CAP:
+                self.cwd = "/workspace"
+                self.notices.append(f"the working directory ({size} bytes) is longer than PATH_MAX ({PATH_CAP} "
+                                    "bytes) and cannot be entered by name: the next call starts in /workspace")
+            return
+        name, eq, value = item.partition(b"=")
+        if not eq and size <= VAR_CAP:
+            return  # not a variable (the command wrote to the state pipe itself)
+        key = name[:200].decode("utf-8", "replace")
+        if key in ("PWD", "OLDPWD", "SHLVL", "_"):
+            return
+        reason = "big" if size > VAR_CAP else "count" if len(self.env) >= ENV_COUNT_CAP else (
+            "total" if self.size + size + 1 > ENV_CAP else None)
+        if reason is not None:
+            self.dropped_count[reason] += 1
+            if len(self.dropped[reason]) < 5:
+                self.dropped[reason].append((key, size))
+            return
+        self.env[key] = value.decode("utf-8", "replace")
+        self.size += size + 1
+
+    def finish(self) -> None:
+        """Turn what was dropped into notices (called once the pipe is at EOF)."""
+        why = {"big": f"one NAME=value may be at most {VAR_CAP} bytes (Linux's MAX_ARG_STRLEN: no program "
+                      "starts with a longer one); keep large data in a file",
+               "total": f"the exported environment may total at most {ENV_CAP} bytes",
+               "count": f"at most {ENV_COUNT_CAP} exported variables are kept"}
+        for reason, items in self.dropped.items():
+            if items:
+                names = ", ".join(f"{k} ({n} bytes)" for k, n in items)
+                left = self.dropped_count[reason] - len(items)
+                more = f" and {left} more" if left else ""
+                self.notices.append(f"not kept for the next call: exported variable {names}{more}: {why[reason]}")
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -173,8 +289,19 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _read_into(f, bufs: dict[int, bytearray], sel: selectors.BaseSelector) -> bool:
-    """Read one chunk; unregister at EOF. Bytes past READ_CAP are read and dropped (never block the writer)."""
+def _capped(buf: bytearray):
+    """A sink keeping the first READ_CAP bytes of a stream; the rest is read and dropped (never block the
+    writer)."""
+
+    def sink(chunk: bytes) -> None:
+        if len(buf) < READ_CAP:
+            buf.extend(chunk[: READ_CAP - len(buf)])
+
+    return sink
+
+
+def _read_into(f, sinks: dict, sel: selectors.BaseSelector) -> bool:
+    """Read one chunk into the stream's sink; unregister at EOF."""
     fd = f.fileno()
     try:
         chunk = os.read(fd, 1 << 16)
@@ -183,9 +310,7 @@ def _read_into(f, bufs: dict[int, bytearray], sel: selectors.BaseSelector) -> bo
     if not chunk:
         sel.unregister(f)
         return False
-    buf = bufs[fd]
-    if len(buf) < READ_CAP:
-        buf += chunk[: READ_CAP - len(buf)]
+    sinks[fd](chunk)
     return True
 
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 import os
 import time
 
+from .proc import alive, start_time
+
 ROOT = "/sys/fs/cgroup"
 GROUP = "openk3"
+PREFIX = "sb-"  # sb-<host pid>-<its start time>-<sandbox id>: the owner, so leftovers can be told apart
 
 
 def _writable(path: str) -> bool:
@@ -38,6 +41,45 @@ def _layout() -> list[tuple[str, dict[str, str]]] | None:
     return None
 
 
+def group_name(sandbox_id: str) -> str:
+    """This process's name for a sandbox's group."""
+    return f"{PREFIX}{os.getpid()}-{start_time(os.getpid())}-{sandbox_id}"
+
+
+def _owner(name: str) -> tuple[int, str | None] | None:
+    """(pid, start time) of the host process that made the group `name`; start time None for the names
+    before it was recorded (sb-<pid>-<id>); None for a group that is not a sandbox's."""
+    parts = name.split("-")
+    if not name.startswith(PREFIX) or len(parts) not in (3, 4) or not parts[1].isdigit():
+        return None
+    return int(parts[1]), (parts[2] if len(parts) == 4 else None)
+
+
+def reclaim_stale() -> int:
+    """Remove the groups of sandboxes whose host process is gone: a host killed with SIGKILL cannot remove
+    its own (its sandboxes die with it, through --pdeathsig, and leave their groups empty). A group of a
+    live host is never touched, even between incarnations when it has no tasks; a group that still has
+    tasks (processes still dying) refuses rmdir and is taken by a later call. Returns how many went."""
+    layout = _layout()
+    removed = 0
+    for parent, _ in layout or []:
+        base = os.path.join(parent, GROUP)
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        for name in names:
+            owner = _owner(name)
+            if owner is None or alive(*owner):
+                continue
+            try:
+                os.rmdir(os.path.join(base, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
 class Cgroup:
     """One sandbox's cgroup(s); `procs_files` are where the launcher writes its pid before it execs."""
 
@@ -50,6 +92,7 @@ class Cgroup:
         layout = _layout()
         if layout is None:
             return None
+        reclaim_stale()  # each start-up takes what killed hosts left, so leftovers never pile up
         dirs: list[str] = []
         try:
             for parent, files in layout:

@@ -42,7 +42,7 @@ from typing import Any
 from openk3.chat import THINKING_EFFORTS
 
 from .audit import AuditLog
-from .env_render import Transcript, shell_text
+from .env_render import Transcript, notice_text, shell_text
 from .policy import Policy
 from .sandbox import Sandbox
 from .tools import SCHEMAS, declare
@@ -351,6 +351,8 @@ class SandboxEnv:
             reply = self.sandbox.tool(name, args, timeout=min(TOOL_TIMEOUT, left) + 5.0, **options)
             failed = "output" not in reply  # the sandbox's agent failed (died, bad reply): not the tool's answer
             text = reply.get("output") if not failed else f"[sandbox error: {reply.get('error')}]"
+            if isinstance(reply.get("notice"), str):  # what a snapshot before this call could not keep
+                text = f"{text}\n{notice_text(reply['notice'])}" if text else notice_text(reply["notice"])
             ok = bool(reply.get("ok")) and not failed
             extra = {"truncated": bool((reply.get("data") or {}).get("truncated")),
                      "sandbox_error": reply.get("error") if failed else None, "data": reply.get("data")}

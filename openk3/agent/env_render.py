@@ -157,12 +157,15 @@ class Transcript:
 
 
 def shell_text(result: Any) -> str:
-    """The tool message for a Shell call: stdout, stderr, then what ended it (exit code, timeout)."""
+    """The tool message for a Shell call: stdout, stderr, what the sandbox could not keep (an oversized
+    exported variable, ...), then what ended it (exit code, timeout)."""
     parts = []
     if result.stdout:
         parts.append(result.stdout.rstrip("\n"))
     if result.stderr:
         parts.append("[stderr]\n" + result.stderr.rstrip("\n"))
+    if result.notice:
+        parts.append(notice_text(result.notice))
     if result.error:
         parts.append(f"[sandbox error: {result.error}]")
     elif result.timed_out:
@@ -170,6 +173,10 @@ def shell_text(result: Any) -> str:
     elif result.exit_code != 0:
         parts.append(f"[exit code {result.exit_code}]")
     return "\n".join(parts) if parts else "(no output)"
+
+
+def notice_text(notice: str) -> str:
+    return f"[sandbox notice: {notice}]"
 
 
 class IdParser:

@@ -30,6 +30,9 @@ import shutil
 import stat
 import threading
 
+from .fstree import remove_tree
+from .proc import alive, start_time
+
 MAX_LAYERS = 48  # deeper stacks are refused with a clear message (overlay lookups slow down with depth)
 MAX_LOWERDIR = 3000  # bytes of the lowerdir option: the whole mount option string must fit in one 4 KiB page
 OWNER_FILE = "owner"  # "<host pid> <its start time>": a store whose owner is gone is removed at start-up
@@ -46,30 +49,12 @@ def inside(root: str, p: str) -> bool:
 
 
 def rmtree(path: str) -> None:
-    """Remove a tree that sandboxed code wrote: it may hold mode-000 dirs (overlay's work dir, or made so on
-    purpose) and whiteout devices. Never follows a symlink (a chmod through one could hit a host file), and
-    never changes anything outside `path`: an error on `path` itself (another process removing the same stale
-    store first) once made this chmod its parent, /tmp, to 0700, and every sandbox uid was locked out."""
-
-    def fix(_func, p, _exc):
-        for d in (os.path.dirname(p), p):
-            if not inside(path, d):
-                continue
-            try:
-                if stat.S_ISDIR(os.lstat(d).st_mode):
-                    os.chmod(d, 0o700)
-            except OSError:
-                pass
-        try:
-            if stat.S_ISDIR(os.lstat(p).st_mode):
-                shutil.rmtree(p, onerror=lambda *a: None)
-            else:
-                os.unlink(p)
-        except OSError:
-            pass
-
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=fix)
+    """Remove a tree that sandboxed code wrote (`fstree.remove_tree`): it may hold mode-000 dirs (overlay's
+    work dir, or made so on purpose), whiteout devices, and folders nested past PATH_MAX or deeper than any
+    recursive walk goes. Never follows a symlink, never changes anything outside `path` (an error on `path`
+    itself, from another process removing the same stale store first, once made this chmod its parent,
+    /tmp, to 0700, and every sandbox uid was locked out), never raises: what cannot be removed stays."""
+    remove_tree(path)
 
 
 class LayerStore:
@@ -89,7 +74,7 @@ class LayerStore:
         os.chmod(root, 0o711)
         self._chown(root)
         with open(os.path.join(root, OWNER_FILE), "w") as f:
-            f.write(f"{os.getpid()} {_start_time(os.getpid())}")
+            f.write(f"{os.getpid()} {start_time(os.getpid())}")
 
     # ---- reference counting -----------------------------------------------------------------------
 
@@ -226,14 +211,6 @@ def _no_symlink_on_the_way(root: str, dest: str, rel: str) -> None:
             raise ValueError(f"Sandbox(files=): {rel!r} would be written through the symlink {p!r} of base_dir")
 
 
-def _start_time(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return "?"
-
-
 def remove_stale_stores(parent: str) -> int:
     """Remove `openk3-sb-*` stores whose owning process is gone (a host killed with SIGKILL cannot clean up;
     its sandboxes died with it, through --pdeathsig). Returns how many were removed."""
@@ -252,8 +229,7 @@ def remove_stale_stores(parent: str) -> int:
             continue  # not ours, or still being created
         if st.st_uid not in (os.getuid(), 65534) and os.getuid() != 0:
             continue
-        pid = int(pid_s)
-        if os.path.exists(f"/proc/{pid}") and _start_time(pid) == start:
+        if alive(int(pid_s), start):
             continue  # its owner still runs
         rmtree(root)
         removed += 1

@@ -17,13 +17,15 @@ REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
 
 # The holder: mounts the workspace (a size-capped tmpfs upper over the sealed layers) in the private mount
 # namespace `unshare` made, runs bwrap, and then stays alive holding that namespace, with our pipe closed,
-# until the host has copied the upper out and kills it. Arguments: bytes inodes tmpfs saved lowerdir mnt -- bwrap...
+# until the host has copied the upper out and kills it. The saved upper comes back with fstree.py (any depth;
+# `cp -a` names files by full path and stops at PATH_MAX). Arguments:
+# bytes inodes tmpfs saved lowerdir mnt python fstree.py -- bwrap...
 HOLDER = r"""set -e
-q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6
-shift 7
+q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6 python=$7 fstree=$8
+shift 9
 mount -t tmpfs -o "size=$q,nr_inodes=$n,mode=0755" openk3-workspace "$t"
 mkdir "$t/up" "$t/wk"
-if [ -d "$saved" ]; then cp -a "$saved/." "$t/up/"; fi
+if [ -d "$saved" ]; then "$python" -I -S "$fstree" copy "$saved" "$t/up" >&2; fi
 mount -t overlay overlay -o "userxattr,lowerdir=$lower,upperdir=$t/up,workdir=$t/wk" "$mnt"
 set +e
 "$@"
@@ -67,6 +69,21 @@ class _Spawner:
 
 
 spawn = _Spawner().popen
+
+
+def start_time(pid: int) -> str:
+    """The process's start time in clock ticks since boot (field 22 of /proc/<pid>/stat): with the pid, it
+    names one process for good (a pid alone is reused). "0" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "0"
+
+
+def alive(pid: int, start: str | None) -> bool:
+    """Whether the process `pid` that started at `start` (None: any start) still runs."""
+    return os.path.exists(f"/proc/{pid}") and (start is None or start_time(pid) == start)
 
 
 def children(pid: int) -> list[int]:
