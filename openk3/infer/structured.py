@@ -221,7 +221,7 @@ class Grammars:
         if s.after_think and self.close_id is None:
             raise StructuredError(s.field, "a grammar after the thinking channel needs <|close|> in the tokenizer")
         return Constraint(matcher, self.close_id if s.after_think else None,
-                          sorted(set(stop_ids) | set(self.stop_ids)))
+                          sorted(set(stop_ids) | set(self.stop_ids)), frozenset(self.stop_ids))
 
     def mask(self, logits_nV: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> torch.Tensor:
         """A copy of the logits with every row in `rows` masked by its constraint (-inf where not allowed).
@@ -268,13 +268,16 @@ class Grammars:
 
 class Constraint:
     """One request's grammar state. Before `in_grammar` (a thinking request still in its reasoning) only
-    `ban_ids` are masked; the first `<|close|>` (close_id) starts the grammar at the next token."""
+    `ban_ids` are masked; the first `<|close|>` (close_id) starts the grammar at the next token. `done`: the
+    grammar has ended and its end-of-sequence token was taken (the engine stops the request even when that
+    token is not one of its stop ids, with `ignore_eos`)."""
 
-    def __init__(self, matcher, close_id: int | None, ban_ids: list[int]) -> None:
+    def __init__(self, matcher, close_id: int | None, ban_ids: list[int], end_ids: frozenset[int]) -> None:
         self.matcher = matcher
         self.close_id = close_id
         self.in_grammar = close_id is None
         self.ban_ids = ban_ids
+        self.end_ids = end_ids  # the grammar's end-of-sequence ids (the tokenizer's stop ids)
         self.error: str | None = None
         self.done = False
 
@@ -286,7 +289,7 @@ class Constraint:
             return
         if not self.matcher.consume_token(tok):
             self.error = short(self.matcher.get_error()) or f"the grammar cannot take token {tok}"
-        elif self.matcher.is_stopped() and self.matcher.stop_reason() == "EndOfSentence":
+        elif tok in self.end_ids and self.matcher.is_stopped():
             self.done = True
 
 
