@@ -44,7 +44,7 @@ import torch
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 SPEC_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 _REASON_CHARS = 400  # llguidance's messages can list every special token: keep what names the problem
-_COMPILED_CACHE = 64
+_CACHE = 64  # compiled grammars (and validation results) kept per tokenizer
 
 
 def llg():
@@ -156,6 +156,29 @@ def assemble(main: str, side: list[dict]) -> str:
 # ---- one tokenizer's llguidance side --------------------------------------------------------------------
 
 
+class _Recent:
+    """The `_CACHE` most recently used entries of a mapping (thread-safe: an in-thread server validates on
+    the event loop while the engine thread compiles)."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[str, Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[bool, Any]:
+        with self._lock:
+            if key not in self._items:
+                return False, None
+            self._items.move_to_end(key)
+            return True, self._items[key]
+
+    def put(self, key: str, value: Any) -> Any:
+        with self._lock:
+            self._items[key] = value
+            while len(self._items) > _CACHE:
+                self._items.popitem(last=False)
+        return value
+
+
 class Grammars:
     """llguidance for one `openk3.tokenizer.Tokenizer`: validation, compiled matchers, batched masks."""
 
@@ -169,9 +192,8 @@ class Grammars:
                                                    pattern=K3_PAT_STR, eos_token=self.stop_ids or None,
                                                    n_vocab=tok.vocab_size)
         self.close_id = tok.special_ids.get("<|close|>")
-        self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._errors: OrderedDict[str, str | None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._compiled = _Recent()  # grammar text -> compiled matcher (copied for each request)
+        self._errors = _Recent()  # grammar text -> llguidance's reason, or None
         self._executor = None
         self._words = (tok.vocab_size + 31) // 32
         self._bitmask: np.ndarray | None = None
@@ -179,15 +201,10 @@ class Grammars:
     def error(self, grammar: str) -> str | None:
         """llguidance's reason for refusing a grammar (shortened), or None when it compiles (remembered: a
         server sees the same tools and schemas again and again)."""
-        with self._lock:
-            if grammar in self._errors:
-                return self._errors[grammar]
-        reason = llg().LLMatcher.validate_grammar(grammar, self.lltok)
-        reason = short(reason) if reason else None
-        with self._lock:
-            self._errors[grammar] = reason
-            while len(self._errors) > _COMPILED_CACHE:
-                self._errors.popitem(last=False)
+        found, reason = self._errors.get(grammar)
+        if not found:
+            reason = llg().LLMatcher.validate_grammar(grammar, self.lltok)
+            reason = self._errors.put(grammar, short(reason) if reason else None)
         return reason
 
     def check(self, s: Structured) -> None:
@@ -198,18 +215,12 @@ class Grammars:
 
     def _matcher(self, grammar: str):
         """A fresh matcher: compiled once per grammar text (then copied, ~microseconds)."""
-        with self._lock:
-            base = self._compiled.get(grammar)
-            if base is not None:
-                self._compiled.move_to_end(grammar)
-                return base.deep_copy()
-        base = llg().LLMatcher(self.lltok, grammar, log_level=0)
-        if base.is_error():
-            raise ValueError(f"the grammar was refused by llguidance: {short(base.get_error())}")
-        with self._lock:
-            self._compiled[grammar] = base
-            while len(self._compiled) > _COMPILED_CACHE:
-                self._compiled.popitem(last=False)
+        found, base = self._compiled.get(grammar)
+        if not found:
+            base = llg().LLMatcher(self.lltok, grammar, log_level=0)
+            if base.is_error():
+                raise ValueError(f"the grammar was refused by llguidance: {short(base.get_error())}")
+            self._compiled.put(grammar, base)
         return base.deep_copy()
 
     def start(self, s: Structured, stop_ids) -> Constraint:
@@ -224,10 +235,10 @@ class Grammars:
                           sorted(set(stop_ids) | set(self.stop_ids)), frozenset(self.stop_ids))
 
     def mask(self, logits_nV: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> torch.Tensor:
-        """A copy of the logits with every row in `rows` masked by its constraint (-inf where not allowed).
-        A grammar row that allows no token is left as it is and its constraint marked failed (the engine
-        then ends that request without taking its token)."""
-        out = logits_nV.clone()
+        """A copy of the logits (bf16 as float32, which the sampler computes in anyway) with every row in `rows`
+        masked by its constraint (-inf where not allowed). A grammar row that allows no token is left as it is
+        and its constraint marked failed (the engine then ends that request without taking its token)."""
+        out = logits_nV.to(torch.float32 if logits_nV.dtype == torch.bfloat16 else logits_nV.dtype, copy=True)
         live = []
         for r, c in zip(rows, constraints, strict=True):
             if not c.in_grammar:
@@ -236,18 +247,20 @@ class Grammars:
                 live.append((r, c))
         if not live:
             return out
-        blocked = self._blocked([c.matcher for _, c in live], out.shape[-1])
-        stuck = blocked.all(axis=1)
+        blocked, stuck = self._blocked([c.matcher for _, c in live], out.shape[-1])
+        values = out.numpy() if out.device.type == "cpu" else None  # numpy's masked copy is ~2x torch's here
         for k, (r, c) in enumerate(live):
             if stuck[k]:
                 c.error = short(c.matcher.get_error()) or "the grammar allows no next token"
+            elif values is not None:
+                np.copyto(values[r], -np.inf, where=blocked[k])
             else:
                 out[r].masked_fill_(torch.from_numpy(blocked[k]).to(out.device), float("-inf"))
         return out
 
-    def _blocked(self, matchers: list, V: int) -> np.ndarray:
-        """[len(matchers), V] bool: True for the ids each matcher does not allow next (and every id past the
-        tokenizer's vocabulary)."""
+    def _blocked(self, matchers: list, V: int) -> tuple[np.ndarray, np.ndarray]:
+        """([len(matchers), V] bool: True for the ids each matcher does not allow next, and every id past the
+        tokenizer's vocabulary; [len(matchers)] bool: the matchers that allow nothing)."""
         n = len(matchers)
         if self._bitmask is None or self._bitmask.shape[0] < n:
             self._bitmask = np.zeros((max(n, 16), self._words), dtype=np.int32)
@@ -263,7 +276,7 @@ class Grammars:
         blocked = bits[:, :V] == 0
         if blocked.shape[-1] < V:
             blocked = np.pad(blocked, ((0, 0), (0, V - blocked.shape[-1])), constant_values=True)
-        return blocked
+        return blocked, ~bm[:n].any(axis=1)
 
 
 class Constraint:
