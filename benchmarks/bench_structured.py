@@ -89,8 +89,10 @@ class MaskTimer:
         grammars.mask = timed
 
 
-def run(name: str, model, tok, args) -> None:
+def run(name: str, model, tok, args) -> list[dict]:
+    """One vocabulary's rows: decode tok/s per batch size with no grammar and with one (and its mask cost)."""
     engine = Engine(model, tok, max_num_seqs=max(args.batch))
+    rows = []
     structured = None
     if not args.no_grammar:
         from openk3.infer.structured import Structured
@@ -103,31 +105,35 @@ def run(name: str, model, tok, args) -> None:
             if grammar is not None:
                 timer.seconds, timer.rows = 0.0, 0
             rates = [decode_rate(engine, b, args.new_tokens, grammar) for _ in range(args.repeats)]
-            line = f"| {name} | {b} | {'JSON schema' if grammar else 'none'} | {statistics.median(rates):.0f} |"
-            if grammar is not None:
-                line += f" {timer.seconds / timer.rows * 1e6:.0f} |"
-            print(line + (" - |" if grammar is None and not args.no_grammar else ""), flush=True)
+            row = {"vocabulary": name, "batch": b, "grammar": "JSON schema" if grammar else "none",
+                   "decode_tok_s": statistics.median(rates),
+                   "mask_us_per_row_token": timer.seconds / timer.rows * 1e6 if grammar is not None else None}
+            rows.append(row)
+            mask = "-" if row["mask_us_per_row_token"] is None else f"{row['mask_us_per_row_token']:.0f}"
+            print(f"| {name} | {b} | {row['grammar']} | {row['decode_tok_s']:.0f} | {mask} |", flush=True)
+    return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-grammar", action="store_true", help="unconstrained decode only")
     ap.add_argument("--skip-k3-vocab", action="store_true", help="nano's 512-id vocabulary only")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     setup_threads(1)
     print(machine_line(1))
     print("| vocabulary | batch | grammar | decode tok/s | mask us per row-token |")
     print("| --- | --- | --- | --- | --- |")
     torch.manual_seed(0)
     cfg = openk3.preset("nano")
-    run("nano, 512", openk3.K3ForCausalLM.build(cfg, seed=0).eval(), byte_tokenizer(), args)
+    rows = run("nano, 512", openk3.K3ForCausalLM.build(cfg, seed=0).eval(), byte_tokenizer(), args)
     if not args.skip_k3_vocab:
         tok = synthetic_tokenizer()
         model = openk3.K3ForCausalLM.build(dataclasses.replace(cfg, vocab_size=tok.vocab_size), seed=0).eval()
-        run("nano trunk, 163,840 (synthetic)", model, tok, args)
+        rows += run("nano trunk, 163,840 (synthetic)", model, tok, args)
+    return {"rows": rows}
 
 
 if __name__ == "__main__":
