@@ -256,7 +256,7 @@ def test_xtml_grammar_is_what_the_parser_reads(tok, choice, thinking):
           "required": dict(tools=[WEATHER, LOOKUP], tool_choice="required", parallel=False),
           "auto_strict": dict(tools=[strict, LOOKUP]),
           "json_or_calls": dict(tools=[strict], response_format={"type": "json_object"})}[choice]
-    s = chat_constraint(g, thinking=thinking, **kw)
+    s = chat_constraint(tok, thinking=thinking, **kw)
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in kw["tools"]}
     ended = 0
     for seed in range(12):
@@ -290,18 +290,17 @@ def test_xtml_grammar_is_what_the_parser_reads(tok, choice, thinking):
 
 
 def test_chat_constraint_refusals(tok):
-    g = grammars_for(tok)
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "string", "pattern": "(?=a)"}}}}}
     with pytest.raises(StructuredError, match="look-around") as e:
-        chat_constraint(g, thinking=False, tools=[WEATHER, bad], tool_choice="required")
+        chat_constraint(tok, thinking=False, tools=[WEATHER, bad], tool_choice="required")
     assert e.value.field == "tools[1].function.parameters"
-    assert chat_constraint(g, thinking=False, tools=[WEATHER, bad], tool_choice="auto") is None  # nothing strict
+    assert chat_constraint(tok, thinking=False, tools=[WEATHER, bad], tool_choice="auto") is None  # nothing strict
     with pytest.raises(StructuredError) as e:
-        chat_constraint(g, thinking=False, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "g"}})
+        chat_constraint(tok, thinking=False, tools=[WEATHER], tool_choice=named("g"))
     assert e.value.field == "tool_choice"
     with pytest.raises(StructuredError) as e:
-        chat_constraint(g, thinking=False, tool_choice="required")
+        chat_constraint(tok, thinking=False, tool_choice="required")
     assert e.value.field == "tool_choice"
 
 

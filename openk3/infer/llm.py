@@ -384,7 +384,7 @@ class LLM:
                                                    tool_choice=shown, response_format=response_format)
         (sp,) = self._params(params, 1, sampling)
         if tools or tool_choice is not None or response_format is not None or structured is not None:
-            constraint = chat_constraint(self.engine.grammars(), thinking=thinking_on, tools=tools,
+            constraint = chat_constraint(self.tokenizer, thinking=thinking_on, tools=tools,
                                          tool_choice=tool_choice, response_format=response_format,
                                          structured=structured, parallel=parallel_tool_calls)
             sp = dataclasses.replace(sp, structured=constraint)

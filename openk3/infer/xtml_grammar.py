@@ -35,6 +35,7 @@ from openk3.infer.structured import (
     StructuredError,
     assemble,
     fragment,
+    grammars_for,
     json_fragment,
     literal,
     llg,
@@ -267,11 +268,12 @@ def _calls(grammars: Grammars, tools: list, named: str | None, constrain_all: bo
     return rules.add(f"<|open|> \"tools\" <|sep|> {nxt} <|close|> \"tools\" <|sep|>")
 
 
-def chat_constraint(grammars: Grammars, *, thinking: bool, tools: list | None = None, tool_choice: Any = None,
+def chat_constraint(tok, *, thinking: bool, tools: list | None = None, tool_choice: Any = None,
                     response_format: Any = None, structured: Any = None, parallel: bool = True) -> Structured | None:
-    """The `Structured` of a chat turn, or None when nothing in the request constrains it. Raises ValueError
-    naming the field (`response_format.json_schema.schema`, `tools[i].function.parameters`, `tool_choice`,
-    `structured`) and, for a refused schema, llguidance's reason."""
+    """The `Structured` of a chat turn for tokenizer `tok`, or None when nothing in the request constrains it
+    (then llguidance is not even loaded). Raises `StructuredError` naming the field
+    (`response_format.json_schema.schema`, `tools[i].function.parameters`, `tool_choice`, `structured`) and,
+    for a refused schema, llguidance's reason."""
     tools = list(tools or [])
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
@@ -282,6 +284,7 @@ def chat_constraint(grammars: Grammars, *, thinking: bool, tools: list | None = 
     strict = any(t["function"].get("strict") is True for t in tools)
     if mode == "none" and content is None or mode == "auto" and content is None and not strict:
         return None
+    grammars = grammars_for(tok)
     side: list[dict] = []
     if content is not None:
         body, side, field = content

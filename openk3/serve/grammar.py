@@ -31,7 +31,7 @@ def shown_tool_choice(tool_choice: Any) -> Any:
 def chat(state, body: dict, thinking: bool, parallel: bool) -> Structured | None:
     """The grammar of a chat request's turn, or None when nothing constrains it."""
     try:
-        return chat_constraint(grammars_for(state.tok), thinking=thinking, tools=body.get("tools"),
+        return chat_constraint(state.tok, thinking=thinking, tools=body.get("tools"),
                                tool_choice=body.get("tool_choice"), response_format=body.get("response_format"),
                                parallel=parallel)
     except StructuredError as e:
