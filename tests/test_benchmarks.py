@@ -134,3 +134,13 @@ def test_bench_distributed_runs(tmp_path):
     ep = out["runs"][2]["comm_bytes_per_rank_step"]
     assert ep["all_to_all"] > 0 and ep["fsdp"] < comm["fsdp"] and ep["muon"] == comm["muon"]
     assert json.loads((tmp_path / "d.json").read_text())["runs"] == out["runs"]
+
+
+def test_bench_structured_runs():
+    import bench_structured
+
+    out = bench_structured.main(["--batch", "1", "2", "--new-tokens", "4", "--repeats", "1", "--skip-k3-vocab"])
+    rows = out["rows"]
+    assert [(r["batch"], r["grammar"]) for r in rows] == [(1, "none"), (1, "JSON schema"), (2, "none"),
+                                                          (2, "JSON schema")]
+    assert all(r["decode_tok_s"] > 0 for r in rows) and rows[1]["mask_us_per_row_token"] > 0

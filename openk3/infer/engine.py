@@ -6,8 +6,11 @@ Each `step()`:
    prompt tokens per step (a long prompt is prefilled over several steps, so running requests keep
    decoding: chunked prefill); a request whose prompt is done samples its first token and takes a slot;
 3. decodes one token for every running request in one batched forward (rows of different lengths);
-4. checks stops (stop token ids, stop strings, max_tokens, max_model_len), calls the callbacks, and
-   frees finished slots, keeping the running requests in slots 0..n-1 (compaction).
+   a request with a grammar (`SamplingParams.structured`, openk3/infer/structured.py) has the tokens its
+   grammar cannot take next masked to -inf before sampling (rows without one are sampled as they are);
+4. checks stops (stop token ids, stop strings, max_tokens, max_model_len, a completed or failed
+   grammar), calls the callbacks, and frees finished slots, keeping the running requests in slots 0..n-1
+   (compaction).
 
 Requests join and leave between steps. The engine is single-threaded; `abort` may be called from any
 thread (or from a callback) and takes effect at the next step boundary.
@@ -30,6 +33,7 @@ from openk3.infer.detok import TextStream
 from openk3.infer.graph import DecodeGraph
 from openk3.infer.prefix import PrefixCache
 from openk3.infer.sample import SamplingParams, make_generator, sample_next, sampling_logits, token_logprobs
+from openk3.infer.structured import Constraint, Grammars, grammars_for
 from openk3.model.cache import DenseCache, SlotCache
 
 
@@ -39,7 +43,8 @@ class RequestOutput:
 
     `token_ids` includes a stop token id when one ended the request (chat parsers need it); `text`
     never contains a stop token's text or a stop string. `finish_reason`: "stop" (stop token or
-    string, `stop_reason` says which), "length" (max_tokens or the context limit), "abort".
+    string, `stop_reason` says which; also a grammar that has ended), "length" (max_tokens or the context
+    limit), "abort", "error" (the request's grammar could go no further: `stop_reason` is llguidance's reason).
 
     `logprobs` / `delta_logprobs` (None unless the request's `SamplingParams.logprobs` is set): one entry
     per token of `token_ids` / `delta_token_ids`, `(logprob, [(id, logprob), ...])`: the token's log
@@ -65,8 +70,9 @@ class RequestOutput:
 class _Request:
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int],
                  stream: TextStream | None, on_output, device, cache_prefix: int | None = None,
-                 keep_cache: bool = False) -> None:
+                 keep_cache: bool = False, constraint: Constraint | None = None) -> None:
         self.id, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
+        self.constraint = constraint
         self.cache_prefix, self.keep_cache = cache_prefix, keep_cache
         self.stream, self.on_output = stream, on_output
         self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
@@ -131,6 +137,15 @@ class Engine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0,
                       "cached_prompt_tokens": 0}
         self.prefix = PrefixCache(prefix_cache, prefix_cache_bytes) if prefix_cache else None
+        self._grammars: Grammars | None = None  # built at the first request with a grammar
+
+    def grammars(self) -> Grammars:
+        """The tokenizer's llguidance side (`openk3.infer.structured.Grammars`), for grammars and masks."""
+        if self.tok is None:
+            raise ValueError("structured output needs a tokenizer: give the engine one")
+        if self._grammars is None:
+            self._grammars = grammars_for(self.tok)
+        return self._grammars
 
     # ---- requests --------------------------------------------------------------------------------
 
@@ -177,8 +192,10 @@ class Engine:
         if params.stop and self.tok is None:
             raise ValueError("stop strings need a tokenizer")
         stream = TextStream(self.tok, params.stop, skip_special=skip_special_tokens) if self.tok else None
+        constraint = self.grammars().start(params.structured, stops) if params.structured is not None else None
         req = _Request(rid, ids, params, stops, stream, on_output, self.device,
-                       cache_prefix if self.prefix is not None else None, keep_cache and self.prefix is not None)
+                       cache_prefix if self.prefix is not None else None, keep_cache and self.prefix is not None,
+                       constraint)
         self._by_id[rid] = req
         self.waiting.append(req)
         return rid
@@ -225,9 +242,8 @@ class Engine:
             req.cache = None
             self.running.append(req)
             req.t_first = time.perf_counter()
-            last = logits[:, -1]
-            toks = self._sample([req], last)
-            self._accept(req, toks[0], self._logprobs([req], last, toks)[0], outputs)
+            (tok,), (lp,) = self._choose([req], logits[:, -1])
+            self._accept(req, tok, lp, outputs)
         self._release_finished()  # requests that stopped at their first token
         if self.running:
             ids = torch.tensor([[r.out[-1]] for r in self.running], device=self.device)
@@ -236,8 +252,7 @@ class Engine:
                 logits_nV = self.graph(ids, self.slots, n)
             else:
                 logits_nV = self.model(ids, cache=self.slots.view(n))[:, -1]
-            toks = self._sample(self.running, logits_nV)
-            for req, tok, lp in zip(self.running, toks, self._logprobs(self.running, logits_nV, toks), strict=True):
+            for req, tok, lp in zip(self.running, *self._choose(self.running, logits_nV), strict=True):
                 self._accept(req, tok, lp, outputs)
         self._release_finished()
         return outputs
@@ -250,6 +265,13 @@ class Engine:
             return
         req.prefilled, req.cache = hit
         self.stats["cached_prompt_tokens"] += req.prefilled
+
+    def _choose(self, reqs: list[_Request], logits_nV: torch.Tensor) -> tuple[list[int], list]:
+        """Each row's next token (drawn from its grammar's masked logits where it has one) and log probabilities."""
+        rows = [i for i, r in enumerate(reqs) if r.constraint is not None]
+        masked_nV = self.grammars().mask(logits_nV, rows, [reqs[i].constraint for i in rows]) if rows else logits_nV
+        toks = self._sample(reqs, masked_nV)
+        return toks, self._logprobs(reqs, logits_nV, toks, masked_nV)
 
     def _sample(self, reqs: list[_Request], logits_nV: torch.Tensor) -> list[int]:
         logits_nV = logits_nV.float()
@@ -265,10 +287,13 @@ class Engine:
                 toks[i] = sample_next(logits_nV[i], r.params, r.generator, r.seen())
         return toks  # type: ignore[return-value]
 
-    def _logprobs(self, reqs: list[_Request], logits_nV: torch.Tensor, toks: list[int]) -> list:
+    def _logprobs(self, reqs: list[_Request], logits_nV: torch.Tensor, toks: list[int],
+                  masked_nV: torch.Tensor | None = None) -> list:
         """The log probability entries of the rows whose request asks for them (None for the others). Kept
         apart from `_sample` so that a batch where no row asks costs nothing more than a list of Nones,
-        and whatever chose the tokens, the entries describe the tokens actually taken."""
+        and whatever chose the tokens, the entries describe the tokens actually taken. "raw" entries are of
+        the model's logits (a grammar's mask is processing); "processed" ones of `masked_nV`, what was sampled."""
+        masked_nV = logits_nV if masked_nV is None else masked_nV
         rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         out: list = [None] * len(reqs)
         if rows:
@@ -278,7 +303,7 @@ class Engine:
                 picked = picked.to(torch.promote_types(picked.dtype, torch.float32), copy=True)
                 for j in processed:
                     r = reqs[rows[j]]
-                    picked[j] = sampling_logits(picked[j], r.params, r.seen())
+                    picked[j] = sampling_logits(masked_nV[rows[j]], r.params, r.seen())
             entries = token_logprobs(picked, [toks[i] for i in rows], [reqs[i].params.logprobs for i in rows])
             for i, e in zip(rows, entries, strict=True):
                 out[i] = e
@@ -286,6 +311,10 @@ class Engine:
 
     def _accept(self, req: _Request, tok: int, logprob, outputs: list[RequestOutput]) -> None:
         """Append a sampled token (and its logprob entry, when asked), apply the stop rules, emit an output."""
+        grammar = req.constraint
+        if grammar is not None and grammar.error is not None:  # its grammar allowed no token: none was drawn
+            self._fail(req, outputs)
+            return
         req.out.append(tok)
         if req.logprobs is not None:
             req.logprobs.append(logprob)
@@ -297,12 +326,22 @@ class Engine:
             delta = req.stream.add(tok)
             if req.stream.stopped is not None:
                 req.finish_reason, req.stop_reason = "stop", req.stream.stopped
+        if req.finish_reason is None and grammar is not None:
+            grammar.consume(tok)
+            if grammar.error is not None:
+                req.finish_reason, req.stop_reason = "error", grammar.error
+            elif grammar.done:  # its end-of-sequence token, taken where it is not a stop id (ignore_eos)
+                req.finish_reason, req.stop_reason = "stop", tok
         if req.finish_reason is None:
             if len(req.out) >= req.params.max_tokens or len(req.prompt) + len(req.out) >= self.max_model_len:
                 req.finish_reason = "length"
         if req.finish_reason is not None and req.stream is not None:
             delta += req.stream.finish()
         outputs.append(self._emit(req, delta))
+
+    def _fail(self, req: _Request, outputs: list[RequestOutput]) -> None:
+        req.finish_reason, req.stop_reason = "error", req.constraint.error
+        outputs.append(self._emit(req, req.stream.finish() if req.stream is not None else ""))
 
     def _emit(self, req: _Request, delta: str) -> RequestOutput:
         new = req.out[req.sent_tokens:]

@@ -33,6 +33,7 @@ from openk3.checkpoint import resolve_checkpoint
 from openk3.common import resolve_device, resolve_dtype
 from openk3.infer.engine import Engine, RequestOutput
 from openk3.infer.sample import SamplingParams
+from openk3.infer.structured import Structured
 
 __all__ = ["LLM", "ChatResult", "resolve_checkpoint", "resolve_dtype"]
 
@@ -232,6 +233,8 @@ class LLM:
                 overrides: dict) -> list[SamplingParams]:
         if isinstance(overrides.get("stop"), str):
             overrides = {**overrides, "stop": (overrides["stop"],)}
+        if overrides.get("structured") is not None:
+            overrides = {**overrides, "structured": Structured.of(overrides["structured"])}
         fields = {f.name for f in dataclasses.fields(SamplingParams)}
         unknown = sorted(set(overrides) - fields)
         if unknown:
@@ -246,12 +249,14 @@ class LLM:
             raise ValueError(f"{n} prompts but {len(plist)} SamplingParams")
         return [dataclasses.replace(p, **overrides) if overrides else p for p in plist]
 
-    def _check(self, batch: list[Prompt]) -> list[list[int]]:
-        """Encode every prompt and check its length before anything is queued."""
+    def _check(self, batch: list[Prompt], plist: Sequence[SamplingParams] = ()) -> list[list[int]]:
+        """Encode every prompt and check its length (and every grammar) before anything is queued."""
         ids = [self.engine.encode(p) for p in batch]
         for k, row in enumerate(ids):
             if len(row) >= self.engine.max_model_len:
                 raise ValueError(f"prompt {k} has {len(row)} tokens; max_model_len is {self.engine.max_model_len}")
+        for s in {p.structured for p in plist if p.structured is not None}:
+            self.engine.grammars().check(s)
         return ids
 
     # ---- generation ------------------------------------------------------------------------------
@@ -265,7 +270,9 @@ class LLM:
             a list of str / lists of token ids (a batch). An empty list is an empty batch.
         params: one `SamplingParams` for all, a list (one per prompt), or None (the defaults).
         **sampling: SamplingParams fields applied on top, e.g. `max_tokens=16, temperature=0, seed=1,
-            stop="\\n"` (a str stop is one stop string).
+            stop="\\n"` (a str stop is one stop string), `structured={"json": schema}` (the output follows the
+            grammar: `openk3.infer.structured`; also {"json_object": True}, {"regex": ...}, {"choice": [...]},
+            {"grammar": lark}; a grammar llguidance refuses is a ValueError with its reason).
         stop_token_ids / ignore_eos / skip_special_tokens: as `Engine.add_request` (the tokenizer's stop
             ids, `<|end_of_msg|>` and `[EOS]`, apply unless ignore_eos).
 
@@ -274,7 +281,7 @@ class LLM:
         """
         batch = self._batch(prompts)
         plist = self._params(params, len(batch), sampling)
-        ids = self._check(batch)
+        ids = self._check(batch, plist)
         rids: list[str] = []
         finals: dict[str, RequestOutput] = {}
         bar = None
@@ -311,7 +318,7 @@ class LLM:
         if len(batch) != 1:
             raise ValueError(f"stream takes one prompt, got {len(batch)}")
         (sp,) = self._params(params, 1, sampling)
-        (ids,) = self._check(batch)
+        (ids,) = self._check(batch, [sp])
         return self.engine.stream(ids, sp, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos,
                                   skip_special_tokens=skip_special_tokens)
 
@@ -342,8 +349,9 @@ class LLM:
 
     def chat(self, messages: Sequence[dict], params: SamplingParams | None = None, *,
              tools: Sequence[dict] | None = None, thinking: bool | None = None, effort: str | None = "max",
-             tool_choice: Any = None, response_format: Any = None,
-             on_delta: Callable[[dict], None] | None = None, **sampling: Any) -> ChatResult:
+             tool_choice: Any = None, response_format: Any = None, structured: Any = None,
+             parallel_tool_calls: bool = True, on_delta: Callable[[dict], None] | None = None,
+             **sampling: Any) -> ChatResult:
         """One assistant turn for an OpenAI-style conversation, in K3's XTML format.
 
         messages: [{"role": "system"|"user"|"assistant"|"tool", "content": ..., ...}] (not modified);
@@ -353,7 +361,13 @@ class LLM:
         thinking: None/True = think first (K3's default), False = answer directly.
         effort: "low", "high" or "max" (the default, as K3's HF template); None omits the effort message;
             "none" turns thinking off. "medium" is rejected (see docs/chat-format.md).
-        tool_choice, response_format: rendered as the renderer does ("required"/"none"; json_object/json_schema).
+        tool_choice: "auto" (the default with tools), "none", "required" (one or more calls; one unless
+            parallel_tool_calls), or {"type": "function", "function": {"name": N}} (exactly one call of N); the
+            last two are decoded under a grammar, and so are the calls of tools marked `"strict": true`.
+        response_format: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}:
+            the content is decoded under the schema's grammar (the renderer also tells the model).
+        structured: a content grammar as in `generate` ({"json": schema}, {"regex": ...}, ...).
+            With thinking on, every grammar applies after the reasoning (`openk3.infer.xtml_grammar`).
         params / **sampling: as in `generate` (SamplingParams defaults: temperature 1, max_tokens 256).
         on_delta: called while generating with {"reasoning_content": text}, {"content": text}, and, once
             the turn is done, {"tool_call": {"id", "type", "function": {"name", "arguments"}}} per call.
@@ -362,10 +376,18 @@ class LLM:
         `call_<k>`, k counted over the whole conversation, so they are unique within it.
         """
         from openk3.chat import StreamParser, marker_ids_of
+        from openk3.infer.xtml_grammar import chat_constraint
 
+        # a named tool choice is rendered as "required" (the release's renderer has no text for a name)
+        shown = "required" if isinstance(tool_choice, dict) else tool_choice
         prompt_ids, thinking_on = self.chat_prompt(messages, tools=tools, thinking=thinking, effort=effort,
-                                                   tool_choice=tool_choice, response_format=response_format)
+                                                   tool_choice=shown, response_format=response_format)
         (sp,) = self._params(params, 1, sampling)
+        if tools or tool_choice is not None or response_format is not None or structured is not None:
+            constraint = chat_constraint(self.tokenizer, thinking=thinking_on, tools=tools,
+                                         tool_choice=tool_choice, response_format=response_format,
+                                         structured=structured, parallel=parallel_tool_calls)
+            sp = dataclasses.replace(sp, structured=constraint)
         if len(prompt_ids) >= self.engine.max_model_len:
             raise ValueError(f"the conversation has {len(prompt_ids)} tokens; max_model_len is "
                              f"{self.engine.max_model_len}")

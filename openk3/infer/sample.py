@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from openk3.infer.structured import Structured
+
 #: A temperature below this samples greedily (vLLM's _SAMPLING_EPS); the least repetition penalty.
 MIN_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY = 0.01
@@ -31,7 +33,8 @@ class SamplingParams:
     settings; vLLM's default) or "processed" (of the distribution the token was drawn from: repetition
     penalty, temperature and the top-k/top-p/min-p filters applied, `sampling_logits`; a greedy row gets
     its logits after the repetition penalty alone, raw when it has none), which is what an RL trainer's
-    importance correction needs."""
+    importance correction needs. structured: a grammar the output must match (`openk3.infer.structured`;
+    `Structured.of({"json": schema})` and the like); None = unconstrained."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -43,6 +46,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     logprobs_mode: str = "raw"
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> ValueError:
@@ -71,6 +75,8 @@ class SamplingParams:
             raise bad("logprobs", "None or an int >= 0")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise bad("logprobs_mode", f"one of {', '.join(map(repr, LOGPROBS_MODES))}")
+        if self.structured is not None and not isinstance(self.structured, Structured):
+            raise bad("structured", "None or a Structured (Structured.of(spec) builds one)")
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @property

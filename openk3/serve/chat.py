@@ -2,10 +2,11 @@
 
 The prompt is `openk3.chat.render` + `encode_segments` (as `LLM.chat_prompt`): roles system, developer
 (rendered as system), user, assistant (its `reasoning_content` or `reasoning` goes back in the history),
-tool; `tools`, `tool_choice` auto/none/required, `response_format`, thinking on/off and
-`reasoning_effort`/`thinking_effort` low|high|max are the renderer's. Each choice's completion is parsed
-token by token by `ChoiceParser` (a `StreamParser` fed ids, so only real control tokens are markers)
-into `reasoning_content` (mirrored as `reasoning`), `content` and whole `tool_calls`.
+tool; `tools`, `tool_choice`, `response_format`, thinking on/off and `reasoning_effort`/`thinking_effort`
+low|high|max are the renderer's. `response_format` json_object / json_schema, a named or `required`
+`tool_choice` and strict tools are also decoded under a grammar (`openk3/serve/grammar.py`). Each choice's
+completion is parsed token by token by `ChoiceParser` (a `StreamParser` fed ids, so only real control tokens
+are markers) into `reasoning_content` (mirrored as `reasoning`), `content` and whole `tool_calls`.
 
 Stop strings apply to the visible `content` only, never to the thinking channel (next-agents-serving.md
 §3.3): the engine gets no stop strings; the parser's content is matched here, held back while its tail
@@ -23,7 +24,7 @@ from typing import Any
 
 from openk3.chat import StreamParser, encode_segments, marker_ids_of, render, resolve_thinking
 from openk3.chat.xtml import CLOSE
-from openk3.serve import protocol
+from openk3.serve import grammar, protocol
 from openk3.serve.errors import bad_request
 from openk3.serve.outputs import Collector, EngineFailed, chat_logprobs, error_frame, new_id, sse
 
@@ -228,9 +229,6 @@ def prepare(state, body: dict) -> dict:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", param="messages")
     tool_choice = body.get("tool_choice")
-    if tool_choice is not None and tool_choice not in ("auto", "none", "required"):
-        raise bad_request(f"tool_choice {tool_choice!r} is not supported: use auto, none or required (a named "
-                          "function needs constrained decoding, not implemented)", param="tool_choice")
     tools = body.get("tools")
     if tools is not None and not (isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
@@ -256,6 +254,8 @@ def prepare(state, body: dict) -> dict:
     for name in ("reasoning_effort", "thinking_effort"):
         if name in body:
             request[name] = body[name]
+    if tool_choice is not None:
+        request["tool_choice"] = grammar.shown_tool_choice(tool_choice)
     try:
         thinking, _ = resolve_thinking(request)
         prompt = encode_segments(render(request), state.tok).ids
@@ -263,8 +263,10 @@ def prepare(state, body: dict) -> dict:
         raise bad_request(str(e), param="messages" if str(e).startswith("messages") else None) from None
     common.params = replace(common.params, logprobs=protocol.chat_logprobs(body), logprobs_mode=state.logprobs_mode)
     params = common.capped(len(prompt), state.max_model_len, "messages")
+    parallel = protocol.boolean(body, "parallel_tool_calls", True)
+    params = replace(params, structured=grammar.chat(state, body, thinking, parallel))
     return {"common": common, "prompt": prompt, "thinking": thinking, "params": params,
-            "tool_choice": tool_choice, "parallel": protocol.boolean(body, "parallel_tool_calls", True),
+            "tool_choice": tool_choice, "parallel": parallel,
             "include_reasoning": protocol.boolean(body, "include_reasoning", True)}
 
 
@@ -292,6 +294,9 @@ async def complete(state, job: dict, model: str) -> dict:
     try:
         async for k, out in collector.outputs():
             p = parsers[k]
+            failed = grammar.failure(out, job["params"].structured)
+            if failed is not None:
+                raise failed
             p.feed(out.delta_token_ids, out.delta_logprobs)
             if p.stop.stopped:
                 collector.finish_early(k)
@@ -324,6 +329,10 @@ async def stream(state, job: dict, model: str):
             try:
                 async for k, out in collector.outputs():
                     p = parsers[k]
+                    failed = grammar.failure(out, job["params"].structured)
+                    if failed is not None:
+                        yield grammar.error_event(failed)
+                        break
                     for d in p.feed(out.delta_token_ids, out.delta_logprobs):
                         yield chunk(k, d)
                     if p.stop.stopped:

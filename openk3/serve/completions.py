@@ -3,7 +3,8 @@
 `prompt` is a string, a list of token ids, or a list of either (a batch); each prompt gets `n` choices,
 numbered prompt-major (choice `i * n + j` is prompt i's j-th). Stop strings and stop token ids are the
 engine's (applied to the decoded text; the stop string itself is not returned). `echo` puts the prompt's
-text before its completion.
+text before its completion. `response_format` json_object / json_schema (vLLM's extension of this
+endpoint) decodes the text under the schema's grammar (`openk3/serve/grammar.py`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from openk3.serve import protocol
+from openk3.serve import grammar, protocol
 from openk3.serve.errors import bad_request
 from openk3.serve.outputs import Collector, EngineFailed, completion_logprobs, error_frame, new_id, sse
 
-FIELDS = protocol.SAMPLING_FIELDS + ("logprobs", "prompt", "echo", "suffix", "best_of")
+FIELDS = protocol.SAMPLING_FIELDS + ("logprobs", "prompt", "echo", "suffix", "best_of", "response_format")
 
 
 def _prompts(body: dict, state) -> list[list[int]]:
@@ -54,7 +55,8 @@ def prepare(state, body: dict) -> dict:
         # The legacy API then scores the prompt tokens too: prompt log probabilities are not implemented.
         raise bad_request("echo with logprobs (log probabilities of the prompt tokens) is not supported",
                           param="echo", code="unsupported_field")
-    common.params = replace(common.params, logprobs=logprobs, logprobs_mode=state.logprobs_mode)
+    common.params = replace(common.params, logprobs=logprobs, logprobs_mode=state.logprobs_mode,
+                            structured=grammar.completion(state, body))
     prompts = _prompts(body, state)
     params = [common.capped(len(p), state.max_model_len, "prompt") for p in prompts]
     requests = [(p, sp) for p, base in zip(prompts, params, strict=True)
@@ -85,6 +87,9 @@ async def complete(state, job: dict, model: str) -> dict:
     finals = {}
     try:
         async for k, out in collector.outputs():
+            failed = grammar.failure(out, job["common"].params.structured)
+            if failed is not None:
+                raise failed
             if out.finished:
                 finals[k] = out
     except EngineFailed as e:
@@ -124,6 +129,10 @@ async def stream(state, job: dict, model: str):
                     yield chunk(k, job["echo"][k // n])
             try:
                 async for k, out in collector.outputs():
+                    failed = grammar.failure(out, job["common"].params.structured)
+                    if failed is not None:
+                        yield grammar.error_event(failed)
+                        break
                     generated += len(out.delta_token_ids)
                     if out.delta_logprobs is not None:
                         pending[k][0].extend(out.delta_token_ids)
