@@ -34,32 +34,39 @@ def drive(tuner: ThreadTuner, seconds_on, steps: int) -> tuple[list[int], list[s
 
 
 def test_trials_then_keeps_the_faster_and_rechecks():
-    """Steps 2-3 on 2 threads, 4-5 on 1, then the faster; the window repeats every `every` steps, so a host that
-    takes a core away later (2 threads now 3x slower) moves the run to one thread, and back when it returns."""
+    """Step 1 on one thread; steps 2-3 on one, 4-5 on two; the faster wins. While two win, a trial every
+    `every` steps; a host that takes a core away (two threads now 3x slower) moves the run to one thread after
+    one slow step of the trial, and back at a later trial once the core returns."""
     def seconds(n, step):
         busy = 20 <= step < 40
         return {2: 3.0 if busy else 0.6, 1: 1.0}[n]
 
-    used, notes = drive(ThreadTuner(2, every=10, trial=2), seconds, 47)  # used[i]: step i + 1
-    assert used[:6] == [2, 2, 2, 1, 1, 2]  # step 1 warm-up on the first option, trial 2-3 / 4-5, then 2
-    assert used[11:16] == [2, 2, 1, 1, 2]  # window 12-15 (quiet): stays on 2
-    assert used[21:31] == [2, 2, 1, 1, 1, 1, 1, 1, 1, 1]  # window 22-25 sees the busy host: 1 thread
-    assert used[31:36] == [2, 2, 1, 1, 1]  # window 32-35, still busy: stays on 1
-    assert used[41:47] == [2, 2, 1, 1, 2, 2]  # window 42-45, quiet again: back to 2
-    assert len(notes) == 3 and notes[0].startswith("threads: 2 of 2 CPUs (steps 2-5: 2 threads 0.60 s/step")
-    assert notes[1].startswith("threads: 1 of 2 CPUs (steps 22-25")
+    tuner = ThreadTuner(2, every=10, trial=2)
+    used, notes = drive(tuner, seconds, 60)  # used[i]: step i + 1
+    assert used[:7] == [1, 1, 1, 2, 2, 2, 2]  # trial 2-5 -> two threads; next trial at step 16
+    assert used[15:21] == [1, 1, 2, 2, 2, 2]  # trial 16-19 (quiet): stays on two; next at 30
+    assert used[29:33] == [1, 1, 2, 1]  # trial 30-32: the busy host's first two-thread step ends it
+    assert used[33:42] == [1] * 9 and used[42:46] == [1, 1, 2, 2]  # next trial at 43 (10 steps on), quiet again
+    assert used[46:56] == [2] * 10 and used[56:60] == [1, 1, 2, 2]  # while two win: a trial every 10 steps
+    assert len(notes) == 3 and notes[0].startswith("threads: 2 of 2 CPUs (steps 2-5: 1 thread 1.00 s/step, "
+                                                   "2 threads 0.60 s/step; next check at step 16")
+    assert notes[1].startswith("threads: 1 of 2 CPUs (steps 30-32") and "next check at step 43" in notes[1]
 
 
-def test_one_cpu_never_trials_and_a_tie_keeps_more_threads():
+def test_one_thread_winning_backs_off():
+    """While one thread keeps winning, the waits between trials double from `every` up to 8x `every`."""
+    tuner = ThreadTuner(2, every=10, trial=1)
+    used, notes = drive(tuner, lambda n, s: {2: 2.0, 1: 1.0}[n], 300)
+    starts = [i + 1 for i in range(1, len(used)) if used[i] == 2]  # the two-thread step of each trial
+    assert [b - a for a, b in zip(starts, starts[1:])] == [12, 22, 42, 82, 82]
+    assert len(notes) == 1 and notes[0].startswith("threads: 1 of 2 CPUs")
+
+
+def test_one_cpu_never_trials_and_a_slow_trial_step_is_noise():
     used, notes = drive(ThreadTuner(1, every=10), lambda n, s: 1.0, 12)
     assert used == [1] * 12 and notes == []
-    used, notes = drive(ThreadTuner(4, every=10), lambda n, s: 1.0, 12)
-    assert used[5:] == [4] * 7 and notes and notes[0].startswith("threads: 4 of 4 CPUs")
-
-
-def test_one_slow_trial_step_is_noise():
-    """The minimum of a window's steps counts: one hiccup on the faster option does not lose it the choice."""
-    used, _ = drive(ThreadTuner(2, every=10), lambda n, s: {2: 5.0 if s == 2 else 0.5, 1: 1.0}[n], 8)
+    # the minimum of each option's steps counts: one hiccup on two threads does not lose them the choice
+    used, _ = drive(ThreadTuner(2, every=10, cut=10), lambda n, s: {2: 5.0 if s == 4 else 0.5, 1: 1.0}[n], 8)
     assert used[5:] == [2, 2, 2]
 
 
@@ -87,19 +94,19 @@ def test_train_without_a_count_measures_and_records_threads(tmp_path, monkeypatc
     monkeypatch.delenv("OPENK3_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(common, "cpus_available", lambda: 2)
-    monkeypatch.setattr(trainer_mod, "ThreadTuner", lambda cpus: ThreadTuner(cpus, every=6, trial=1))
+    monkeypatch.setattr(trainer_mod, "ThreadTuner", lambda cpus: ThreadTuner(cpus, every=4, trial=1))
     asked = [torch.get_num_threads()]
     monkeypatch.setattr(torch, "set_num_threads", asked.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: asked[-1])
     cfg = dataclasses.replace(apply_overrides(TrainConfig(), BASE))
     trainer_mod.train(cfg, tmp_path / "auto", progress=False)
     out = capsys.readouterr().out
-    assert "2 thread(s) to start (auto: 2 or 1, whichever steps faster)" in out
+    assert "1 thread(s) to start (auto: 2 or 1, whichever steps faster)" in out
     assert "[train] threads: " in out and "of 2 CPUs (steps 2-3:" in out
     recs = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     threads = [r["threads"] for r in recs if r.get("kind") == "train"]
-    assert threads[:3] == [2, 2, 1] and threads[7:9] == [2, 1]  # trials at steps 2-3 and 8-9
-    assert set(threads[3:7]) in ({1}, {2})  # the choice in between
+    assert threads[:3] == [1, 1, 2]  # step 1, then the trial at steps 2 (one thread) and 3 (two)
+    assert 2 in threads[3:] or 1 in threads[3:]
     del asked[1:]
     trainer_mod.train(dataclasses.replace(cfg, threads=1, max_steps=2), tmp_path / "fixed", progress=False)
     out = capsys.readouterr().out

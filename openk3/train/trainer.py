@@ -456,8 +456,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep}, pp {cfg.parallel.pp})" if mesh.distributed else ""
     if trainer.pipeline is not None:
         ranks += "; stages (layers) " + ", ".join(f"{a}-{b - 1}" for a, b in trainer.pipeline.bounds)
-    auto = f" to start (auto: {tuner.options[0]} or 1, whichever steps faster)" if tuner and len(tuner.options) > 1 \
-        else ""
+    auto = f" to start (auto: {tuner.cpus} or 1, whichever steps faster)" if tuner and tuner.cpus > 1 else ""
     say(f"model {cfg.preset or 'custom'}: {n_params:,} parameters, {trainer.flops_per_token / 1e6:.1f} MFLOP/token "
         f"(train), {threads} thread(s){auto}{ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} "
         "tokens")
