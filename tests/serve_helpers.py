@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import socket
 import threading
 import time
 
+import httpx
 import torch
 import uvicorn
 
 import openk3
 from openk3.infer.engine import Engine
+from openk3.serve import uvicorn_config
 from openk3.tokenizer import Tokenizer
 
 
@@ -113,13 +116,14 @@ def scripted_builder(max_num_seqs: int = 4, **kw):
 
 
 @contextlib.contextmanager
-def served(app):
-    """uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL; stops it and joins the thread."""
+def served(app, **limits):
+    """uvicorn on 127.0.0.1:<free port> in a thread, configured as `openk3 serve` does (`uvicorn_config`;
+    `limits`: its header_timeout_s, max_connections); yields the base URL; stops it and joins the thread."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see commands/serve.bind
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(app, log_level="warning", **limits))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -134,6 +138,29 @@ def served(app):
         sock.close()
         assert not thread.is_alive()
         assert app.state.openk3.loop.stopped()  # the engine thread or process has ended
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE body (JSON decoded; the final "[DONE]" kept as a string)."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def envelope(r: httpx.Response, status: int, param=None, code=None) -> dict:
+    """The error of an OpenAI error envelope answer, checked: its status, exactly its four keys, its param/code."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["param"] == param and (code is None or body["error"]["code"] == code), body
+    return body["error"]
 
 
 def wait_until(cond, timeout: float = 10.0) -> None:

@@ -27,7 +27,18 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import byte_tokenizer, nano_model, script_engine, scripted_builder, scripts, served, wait_until
+from serve_helpers import (
+    byte_tokenizer,
+    envelope,
+    nano_model,
+    script_engine,
+    scripted_builder,
+    scripts,
+    served,
+    sse_events,
+    user,
+    wait_until,
+)
 
 import openk3
 from openk3.infer.engine import Engine
@@ -61,20 +72,6 @@ def client(server):
     url, _ = server
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
-def sse_events(response: httpx.Response) -> list:
-    """The `data:` payloads of an SSE body (JSON decoded; the final "[DONE]" kept as a string)."""
-    out = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 # ---- routes ------------------------------------------------------------------------------------------
@@ -218,9 +215,9 @@ def test_n2_effort_thinking_and_developer_role(client):
     assert prompt_tokens(messages=msgs, extra_body={"thinking_effort": "max"}) == low
     off = prompt_tokens(messages=msgs, extra_body={"chat_template_kwargs": {"thinking": False}})
     assert off < low  # no thinking-effort message, response channel opened
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=msgs, reasoning_effort="medium", max_tokens=1)
-    assert "medium" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # OpenAI's values map onto K3's (test_serve_clients.py)
+        client.chat.completions.create(model=MODEL, messages=msgs, reasoning_effort="huge", max_tokens=1)
+    assert "huge" in e.value.body["message"] and e.value.body["param"] == "reasoning_effort"
 
 
 def test_history_with_reasoning_or_reasoning_content_renders_the_same(client):
@@ -395,13 +392,13 @@ def test_logprobs_bounds_are_400s_naming_the_field(server):
                          ({"logprobs": True, "top_logprobs": 2.5}, "top_logprobs"),
                          ({"top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
                          ({"logprobs": 1}, "logprobs")):  # chat's logprobs is a flag
-        _envelope(httpx.post(chat, json={**ok, **extra}), 400, param=param)
+        envelope(httpx.post(chat, json={**ok, **extra}), 400, param=param)
     assert httpx.post(chat, json={**ok, "logprobs": True, "top_logprobs": 20}).status_code == 200
     base = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     for value in (21, -1, True, "3"):
-        _envelope(httpx.post(comp, json={**base, "logprobs": value}), 400, param="logprobs")
+        envelope(httpx.post(comp, json={**base, "logprobs": value}), 400, param="logprobs")
     assert httpx.post(comp, json={**base, "logprobs": 20}).status_code == 200
-    _envelope(httpx.post(comp, json={**base, "logprobs": 1, "echo": True}), 400, param="echo",
+    envelope(httpx.post(comp, json={**base, "logprobs": 1, "echo": True}), 400, param="echo",
               code="unsupported_field")
 
 
@@ -507,7 +504,7 @@ def test_a_failing_step_fails_only_its_requests():
         assert text == "a" * 40
         for t in threads:
             t.join(60)
-        err = _envelope(results["failing"], 500, code="engine_error")
+        err = envelope(results["failing"], 500, code="engine_error")
         assert err["type"] == "server_error" and "injected sampling failure" in err["message"]
         assert results["behind"].status_code == 200 and results["behind"].json()["choices"][0]["text"] == "aaaaa"
         assert httpx.get(url + "/health").status_code == 200
@@ -536,9 +533,9 @@ def test_engine_process_death_is_503_never_a_hang():
         error = json.loads(events[-2])["error"]
         assert error["code"] == "engine_unavailable" and "engine process exited" in error["message"]
         waiter.join(30)
-        _envelope(plain[0], 503, code="engine_unavailable")
+        envelope(plain[0], 503, code="engine_unavailable")
         assert httpx.get(url + "/health").status_code == 503
-        _envelope(httpx.post(url + "/v1/completions", json=body, timeout=10), 503, code="engine_unavailable")
+        envelope(httpx.post(url + "/v1/completions", json=body, timeout=10), 503, code="engine_unavailable")
         assert state.loop.in_flight() == 0
 
 
@@ -563,50 +560,44 @@ def test_full_queue_is_429():
 
 # ---- errors and auth ---------------------------------------------------------------------------------------
 
-def _envelope(r: httpx.Response, status: int, param=None, code=None) -> dict:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["param"] == param and (code is None or body["error"]["code"] == code), body
-    return body["error"]
-
-
 def test_every_error_is_an_envelope(server):
     url, state = server
     chat = url + "/v1/chat/completions"
     ok = {"model": MODEL, "messages": user("hi"), "max_tokens": 2}
     assert httpx.post(chat, json=ok).status_code == 200
-    _envelope(httpx.post(chat, content=b"{not json"), 400, code="invalid_json")
-    _envelope(httpx.post(chat, content=b"\xff\xfe"), 400, code="invalid_json")
-    _envelope(httpx.post(chat, json=[1, 2]), 400)
-    _envelope(httpx.post(chat, json={**ok, "temperature": -1}), 400, param="temperature")
-    _envelope(httpx.post(chat, json={**ok, "n": 0}), 400, param="n")
-    _envelope(httpx.post(chat, json={**ok, "max_tokens": "9"}), 400, param="max_tokens")
-    _envelope(httpx.post(chat, json={**ok, "stop": ["a"] * 5}), 400, param="stop")
-    _envelope(httpx.post(chat, json={**ok, "messages": []}), 400, param="messages")
-    _envelope(httpx.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400, param="messages")
+    envelope(httpx.post(chat, content=b"{not json"), 400, code="invalid_json")
+    envelope(httpx.post(chat, content=b"\xff\xfe"), 400, code="invalid_json")
+    envelope(httpx.post(chat, json=[1, 2]), 400)
+    envelope(httpx.post(chat, json={**ok, "temperature": -1}), 400, param="temperature")
+    envelope(httpx.post(chat, json={**ok, "n": 0}), 400, param="n")
+    envelope(httpx.post(chat, json={**ok, "max_tokens": "9"}), 400, param="max_tokens")
+    envelope(httpx.post(chat, json={**ok, "stop": ["a"] * 5}), 400, param="stop")
+    envelope(httpx.post(chat, json={**ok, "messages": []}), 400, param="messages")
+    envelope(httpx.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}), 400,
+             param="messages[0].role")
     image = [{"type": "image_url", "image_url": {"url": "data:,"}}]
-    _envelope(httpx.post(chat, json={**ok, "messages": [{"role": "user", "content": image}]}), 400, param="messages")
+    envelope(httpx.post(chat, json={**ok, "messages": [{"role": "user", "content": image}]}), 400,
+             param="messages[0].content[0].type")
     # keys of newer API versions (or typos) are ignored and logged, as vLLM does: a request never fails on them
     assert httpx.post(chat, json={**ok, "frobnicate": 1, "store": False, "metadata": {"a": "b"}}).status_code == 200
     for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 1), ("logit_bias", {"1": 5})):
-        err = _envelope(httpx.post(chat, json={**ok, field: value}), 400, param=field, code="unsupported_field")
+        err = envelope(httpx.post(chat, json={**ok, field: value}), 400, param=field, code="unsupported_field")
         assert "not supported yet" in err["message"]
     assert httpx.post(chat, json={**ok, "presence_penalty": 0, "logprobs": False, "top_logprobs": 0}).status_code == 200
-    _envelope(httpx.post(chat, json={**ok, "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400,
+    envelope(httpx.post(chat, json={**ok, "tool_choice": {"type": "function", "function": {"name": "f"}}}), 400,
               param="tool_choice")
-    _envelope(httpx.post(chat, json={**ok, "model": "gpt-9"}), 404, param="model", code="model_not_found")
-    _envelope(httpx.post(chat, json={k: v for k, v in ok.items() if k != "model"}), 400, param="model")
+    envelope(httpx.post(chat, json={**ok, "model": "gpt-9"}), 404, param="model", code="model_not_found")
+    envelope(httpx.post(chat, json={k: v for k, v in ok.items() if k != "model"}), 400, param="model")
     long = state.max_model_len
-    _envelope(httpx.post(chat, json={**ok, "max_tokens": long}), 400, param="messages",
+    envelope(httpx.post(chat, json={**ok, "max_tokens": long}), 400, param="messages",
               code="context_length_exceeded")
-    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * long}), 400,
+    envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * long}), 400,
               param="prompt", code="context_length_exceeded")
-    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [512]}), 400, param="prompt")
-    _envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400,
+    envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [512]}), 400, param="prompt")
+    envelope(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "suffix": "y"}), 400,
               param="suffix")
-    _envelope(httpx.post(url + "/v1/nothing", json=ok), 404)
-    _envelope(httpx.get(chat), 405)
+    envelope(httpx.post(url + "/v1/nothing", json=ok), 404)
+    envelope(httpx.get(chat), 405)
 
 
 def test_sdk_error_classes(client):
@@ -621,10 +612,10 @@ def test_sdk_error_classes(client):
 def test_api_key():
     app = create_app(scripted_builder(1), served_model_name=MODEL, api_key="sekrit")
     with served(app) as url:
-        err = _envelope(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
+        err = envelope(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
         assert err["type"] == "authentication_error" and "missing" in err["message"]
         bad = {"Authorization": "Bearer wrong"}
-        _envelope(httpx.post(url + "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "a"}), 401,
+        envelope(httpx.post(url + "/v1/completions", headers=bad, json={"model": MODEL, "prompt": "a"}), 401,
                   code="invalid_api_key")
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
         with openai.OpenAI(base_url=url + "/v1", api_key="sekrit", max_retries=0) as c:
@@ -638,6 +629,7 @@ def test_api_key():
 
 def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
     from openk3.commands import serve as cmd
+    from openk3.serve.connections import default_max_connections
 
     ckpt = tmp_path / "ckpt"
     openk3.save(model, ckpt, dtype=torch.float32)
@@ -648,7 +640,7 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
                               "--api-key", "k"])
     assert args.host == "127.0.0.1"  # loopback unless asked
     server = cmd.build_server(args)
-    app = server.config.app
+    app, first_http = server.config.app, server.config.http
     with served(app) as url, openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0) as c:
         (m,) = c.models.list().data
         assert m.id == "ckpt" and m.model_extra["max_model_len"] == 64
@@ -658,10 +650,25 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
     # a failure to load, in the engine process, is the same error the command reports (not a traceback)
     with pytest.raises((ValueError, OSError), match="nothing"):
         cmd.build_server(parser.parse_args([str(tmp_path / "nothing")]))
-    server = cmd.build_server(parser.parse_args([str(ckpt), "--engine-in-thread", "--max-num-seqs", "3",
-                                                 "--logprobs-mode", "processed"]))
-    assert server.config.app.state.openk3.engine.max_num_seqs == 3  # the twin: the engine in this process
-    assert server.config.app.state.openk3.logprobs_mode == "processed" and app.state.openk3.logprobs_mode == "raw"
+    server = cmd.build_server(parser.parse_args([
+        str(ckpt), "--engine-in-thread", "--max-num-seqs", "3", "--logprobs-mode", "processed",
+        "--default-effort", "medium", "--default-max-tokens", "7", "--sse-keepalive", "0", "--max-body-mb", "1",
+        "--body-timeout", "5", "--header-timeout", "2", "--max-connections", "50", "--engine-timeout", "9"]))
+    state = server.config.app.state.openk3
+    assert state.engine.max_num_seqs == 3  # the twin: the engine in this process
+    assert state.logprobs_mode == "processed" and app.state.openk3.logprobs_mode == "raw"
+    assert (state.default_effort, state.default_max_tokens, state.sse_keepalive_s, state.max_body_bytes,
+            state.body_timeout_s) == ("high", 7, None, 2 ** 20, 5)
+    assert (server.config.http.header_timeout_s, server.config.http.max_connections) == (2, 50)
+    options = app.state.openk3  # the first server's: the release's defaults
+    assert (options.default_effort, options.default_max_tokens, options.sse_keepalive_s) == (None, None, 15)
+    assert options.loop.heartbeat_timeout_s == 20 and first_http.max_connections == default_max_connections()
+    for flag, value in (("--default-max-tokens", "0"), ("--max-body-mb", "nan"), ("--sse-keepalive", "-1"),
+                        ("--max-connections", "0"), ("--header-timeout", "0")):
+        with pytest.raises(ValueError, match=flag):
+            cmd.build_server(parser.parse_args([str(ckpt), flag, value]))
+    with pytest.raises(SystemExit):
+        parser.parse_args([str(ckpt), "--default-effort", "huge"])
 
 
 

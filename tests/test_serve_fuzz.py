@@ -72,12 +72,17 @@ def field_values(name: str, wild: bool) -> st.SearchStrategy:
         "repetition_penalty": st.floats(0.5, 2, allow_subnormal=False),
         "stream": ON_OFF, "ignore_eos": ON_OFF, "echo": ON_OFF,
         "logprobs": st.one_of(ON_OFF, st.integers(0, 5)), "top_logprobs": st.integers(0, 5),
-        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": ON_OFF}),
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": ON_OFF, "include_obfuscation": ON_OFF,
+                                                              "continuous_usage_stats": ON_OFF}),
         "model": st.just(MODEL), "prompt": tame_prompts, "presence_penalty": st.just(0),
         "frequency_penalty": st.just(0), "logit_bias": st.just({}), "user": st.text(max_size=10),
         "tool_choice": st.sampled_from(["auto", "none", "required"]),
-        "reasoning_effort": st.sampled_from(["low", "medium", "high", "max", "none", "x"]),
+        "reasoning_effort": st.sampled_from(["minimal", "low", "medium", "high", "xhigh", "max", "none", None, "x"]),
         "thinking_effort": st.sampled_from(["low", "medium", "high", "x"]),
+        "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "medium", None, "x"])}),
+        "functions": st.lists(st.fixed_dictionaries({"name": st.sampled_from(["f", "read.file", "bad name"])},
+                                                    optional={"parameters": json_values}), max_size=2),
+        "function_call": st.sampled_from(["auto", "none", {"name": "f"}, "x"]),
         "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}),
         "tools": st.lists(tools, max_size=2), "messages": tame_messages, "parallel_tool_calls": ON_OFF,
         "enable_thinking": ON_OFF, "include_reasoning": ON_OFF,
@@ -178,7 +183,7 @@ def check_completion(r: httpx.Response, kind: str, stream: bool) -> None:
     body = r.json()
     assert body["object"] == kind and body["choices"] and isinstance(body["usage"]["completion_tokens"], int), body
     for choice in body["choices"]:
-        assert choice["finish_reason"] in ("stop", "length", "tool_calls"), choice
+        assert choice["finish_reason"] in ("stop", "length", "tool_calls", "function_call"), choice
         assert (isinstance(choice["message"]["content"], (str, type(None))) if kind == "chat.completion"
                 else isinstance(choice["text"], str)), choice
 

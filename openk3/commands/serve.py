@@ -58,6 +58,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default) or processed (the distribution each token was drawn from, after the penalty, "
                         "temperature and top-k/top-p/min-p: what an RL trainer's importance ratio needs; greedy "
                         "requests: after the penalty alone)")
+    # openk3.serve.effort.LEVELS, spelled out (no torch import here)
+    p.add_argument("--default-effort", default=None, metavar="EFFORT",
+                   choices=("minimal", "low", "medium", "high", "xhigh", "max", "none"),
+                   help="reasoning effort of a chat request that names none: low, high, max, or none (thinking off); "
+                        "OpenAI's minimal/medium/xhigh map to low/high/max (default: K3's own, max)")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="completion cap of a request that sets no max_tokens (default: up to --max-model-len)")
+    p.add_argument("--sse-keepalive", type=float, default=15.0, metavar="S",
+                   help="a stream with nothing to send for S seconds (a long prefill) sends an SSE comment so that "
+                        "proxies keep it open (default 15; 0 = never)")
+    p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
+                   help="largest request body in MiB; a larger one is answered 413 (default 32)")
+    p.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a request body may take to arrive; then 408 (default 60)")
+    p.add_argument("--header-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a connection may take to send its request headers; then it is closed (default 30)")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="open connections allowed; one more is answered 503 and closed (default: the file "
+                        "descriptor limit less 128, at most 4096)")
+    p.add_argument("--engine-timeout", type=float, default=20.0, metavar="S",
+                   help="/health answers 503 once the engine process has been silent (no heartbeat) this long "
+                        "(default 20)")
     p.add_argument("--engine-in-thread", action="store_true",
                    help="run the engine in a thread of the HTTP process instead of a process of its own (slower: "
                         "the two then share one interpreter lock; docs/serving.md)")
@@ -68,9 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len)):
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len),
+                        ("--default-max-tokens", args.default_max_tokens), ("--max-connections", args.max_connections)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    for flag, value in (("--max-body-mb", args.max_body_mb), ("--body-timeout", args.body_timeout),
+                        ("--header-timeout", args.header_timeout), ("--engine-timeout", args.engine_timeout)):
+        if not value > 0:  # also NaN
+            raise ValueError(f"{flag} must be > 0, got {value}")
+    if not args.sse_keepalive >= 0:
+        raise ValueError(f"--sse-keepalive must be >= 0 (0 = never), got {args.sse_keepalive}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.api_key is not None and not args.api_key:
@@ -92,7 +121,7 @@ def build_server(args: argparse.Namespace):
 
     from openk3.common import setup_cpu
     from openk3.infer.llm import LLM
-    from openk3.serve import create_app
+    from openk3.serve import create_app, uvicorn_config
 
     _check(args)
     setup_cpu(args.threads)
@@ -103,11 +132,15 @@ def build_server(args: argparse.Namespace):
                               compile=args.compile, keep_packed=args.keep_packed)
     name = args.served_model_name or Path(args.model).resolve().name
     app = create_app(build, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     engine_in_thread=args.engine_in_thread, threads=args.threads, logprobs_mode=args.logprobs_mode)
+                     engine_in_thread=args.engine_in_thread, threads=args.threads, logprobs_mode=args.logprobs_mode,
+                     default_effort=args.default_effort, default_max_tokens=args.default_max_tokens,
+                     sse_keepalive_s=args.sse_keepalive, max_body_bytes=int(args.max_body_mb * 2 ** 20),
+                     body_timeout_s=args.body_timeout, engine_timeout_s=args.engine_timeout)
     if not _loopback(args.host):
         log.warning("listening on %s: reachable from other machines%s", args.host,
                     "" if args.api_key else " by anyone (no --api-key)")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on")
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            header_timeout_s=args.header_timeout, max_connections=args.max_connections)
     return uvicorn.Server(config)
 
 

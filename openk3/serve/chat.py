@@ -2,11 +2,12 @@
 
 The prompt is `openk3.chat.render` + `encode_segments` (as `LLM.chat_prompt`): roles system, developer
 (rendered as system), user, assistant (its `reasoning_content` or `reasoning` goes back in the history),
-tool; `tools`, `tool_choice`, `response_format`, thinking on/off and `reasoning_effort`/`thinking_effort`
-low|high|max are the renderer's. `response_format` json_object / json_schema, a named or `required`
-`tool_choice` and strict tools are also decoded under a grammar (`openk3/serve/grammar.py`). Each choice's
-completion is parsed token by token by `ChoiceParser` (a `StreamParser` fed ids, so only real control tokens
-are markers) into `reasoning_content` (mirrored as `reasoning`), `content` and whole `tool_calls`.
+tool; `tools`, `tool_choice`, `response_format` and thinking on/off are the renderer's; OpenAI's effort values
+are mapped onto K3's low|high|max first (`effort.py`), message and tool shapes checked (`messages.py`) and
+legacy `functions` translated (`legacy.py`). `response_format` json_object / json_schema, a named or
+`required` `tool_choice` and strict tools are also decoded under a grammar (`openk3/serve/grammar.py`). Each
+choice's completion is parsed token by token by `ChoiceParser` (a `StreamParser` fed ids, so only real control
+tokens are markers) into `reasoning_content` (mirrored as `reasoning`), `content` and whole `tool_calls`.
 
 Stop strings apply to the visible `content` only, never to the thinking channel (next-agents-serving.md
 §3.3): the engine gets no stop strings; the parser's content is matched here, held back while its tail
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import re
 import secrets
 import time
 from dataclasses import replace
@@ -24,14 +26,14 @@ from typing import Any
 
 from openk3.chat import StreamParser, encode_segments, marker_ids_of, render, resolve_thinking
 from openk3.chat.xtml import CLOSE
-from openk3.serve import grammar, protocol
+from openk3.serve import effort, grammar, legacy, messages, protocol
 from openk3.serve.errors import bad_request
-from openk3.serve.outputs import Collector, EngineFailed, chat_logprobs, error_frame, new_id, sse
+from openk3.serve.outputs import KEEPALIVE, Collector, EngineFailed, chat_logprobs, error_frame, new_id, sse
 
 FIELDS = protocol.SAMPLING_FIELDS + (
     "logprobs", "top_logprobs", "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
     "response_format", "reasoning_effort", "thinking_effort", "reasoning", "thinking", "enable_thinking",
-    "chat_template_kwargs", "include_reasoning")
+    "chat_template_kwargs", "include_reasoning") + legacy.FIELDS
 
 
 class StopMatcher:
@@ -225,49 +227,40 @@ def _compact(arguments: str) -> str:
 def prepare(state, body: dict) -> dict:
     """Check the request and build everything generation needs; every mistake is a 400 naming it."""
     protocol.check_fields(body, FIELDS)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list", param="messages")
+    legacy_shape = legacy.translate(body)
+    messages.check_messages(body.get("messages"))
+    messages.check_tools(body.get("tools"))
     tool_choice = body.get("tool_choice")
-    tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list) and all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
-        raise bad_request("tools must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
-                          param="tools")
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") in ("text", "json_object", "json_schema")):
         raise bad_request(f"response_format must be {{\"type\": \"text\"|\"json_object\"|\"json_schema\"}}, got {rf!r}",
                           param="response_format")
-    for k, m in enumerate(messages):
-        parts = m.get("content") if isinstance(m, dict) else None
-        for j, part in enumerate(parts if isinstance(parts, list) else ()):
-            # The renderer can place image tokens, but this server has no vision input to fill them.
-            if isinstance(part, dict) and part.get("type", "text") != "text":
-                raise bad_request(f"messages[{k}].content[{j}]: content part type {part.get('type')!r} is not "
-                                  "supported (text only)", param="messages")
-        if isinstance(m, dict) and m.get("role") == "assistant" and "reasoning" in m and "reasoning_content" not in m:
-            messages[k] = {**m, "reasoning_content": m["reasoning"]}  # both spellings come back in histories
-    common = protocol.common(body, state.vocab_size, max_tokens_names=("max_completion_tokens", "max_tokens"))
-    request = {k: body[k] for k in ("messages", "tools", "tool_choice", "response_format", "thinking",
-                                    "enable_thinking", "reasoning", "chat_template_kwargs") if body.get(k) is not None}
-    for name in ("reasoning_effort", "thinking_effort"):
-        if name in body:
-            request[name] = body[name]
+    common = protocol.common(body, state.vocab_size, max_tokens_names=("max_completion_tokens", "max_tokens"),
+                             default_max_tokens=state.default_max_tokens)
+    protocol.check_capacity(common.n, state.loop.capacity, "n")
+    thinking_keys = effort.render_keys(body, state.default_effort)
+    request = {k: body[k] for k in ("messages", "tools", "tool_choice", "response_format") if body.get(k) is not None}
     if tool_choice is not None:
         request["tool_choice"] = grammar.shown_tool_choice(tool_choice)
     try:
-        thinking, _ = resolve_thinking(request)
-        prompt = encode_segments(render(request), state.tok).ids
-    except ValueError as e:
-        raise bad_request(str(e), param="messages" if str(e).startswith("messages") else None) from None
+        thinking, _ = resolve_thinking(request | thinking_keys)
+        prompt = encode_segments(render(request | thinking_keys), state.tok).ids
+    except ValueError as e:  # what the renderer cannot render: its message names the field
+        raise bad_request(str(e), param=_field_path(str(e))) from None
     common.params = replace(common.params, logprobs=protocol.chat_logprobs(body), logprobs_mode=state.logprobs_mode)
     params = common.capped(len(prompt), state.max_model_len, "messages")
     parallel = protocol.boolean(body, "parallel_tool_calls", True)
     params = replace(params, structured=grammar.chat(state, body, thinking, parallel))
     return {"common": common, "prompt": prompt, "thinking": thinking, "params": params,
             "tool_choice": tool_choice, "parallel": parallel,
-            "include_reasoning": protocol.boolean(body, "include_reasoning", True)}
+            "include_reasoning": protocol.boolean(body, "include_reasoning", True), "legacy": legacy_shape,
+            "headers": {effort.HEADER: effort.used(thinking_keys)}}
+
+
+def _field_path(message: str) -> str | None:
+    """The field a renderer message starts with (`messages[1].tool_calls[0]`, `tools[2]`), as a `param`."""
+    found = re.match(r"(messages|tools)(\[\d+\]|\.\w+)*", message)
+    return found.group(0) if found else None
 
 
 def start(state, job: dict) -> tuple[Collector, list[ChoiceParser]]:
@@ -306,11 +299,12 @@ async def complete(state, job: dict, model: str) -> dict:
         raise e.api_error() from None
     finally:
         collector.close()
-    return {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": k, "message": p.message(),
-                         "logprobs": None if p.logprobs is None else {"content": p.logprobs},
-                         "finish_reason": reasons[k]} for k, p in enumerate(parsers)],
-            "usage": _usage(job, parsers)}
+    result = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+              "choices": [{"index": k, "message": p.message(),
+                           "logprobs": None if p.logprobs is None else {"content": p.logprobs},
+                           "finish_reason": reasons[k]} for k, p in enumerate(parsers)],
+              "usage": _usage(job, parsers)}
+    return legacy.answer(result) if job["legacy"] else result
 
 
 async def stream(state, job: dict, model: str):
@@ -319,6 +313,8 @@ async def stream(state, job: dict, model: str):
     head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(k: int, delta: dict, finish: str | None = None) -> str:
+        if job["legacy"]:
+            delta, finish = legacy.delta(delta), legacy.finish_reason(finish)
         return sse({**head, "choices": [{"index": k, "delta": delta, "logprobs": parsers[k].logprobs_delta(),
                                          "finish_reason": finish}]})
 
@@ -327,7 +323,10 @@ async def stream(state, job: dict, model: str):
             for k in range(len(parsers)):
                 yield chunk(k, {"role": "assistant", "content": ""})
             try:
-                async for k, out in collector.outputs():
+                async for k, out in collector.outputs(state.sse_keepalive_s):
+                    if out is None:
+                        yield KEEPALIVE
+                        continue
                     p = parsers[k]
                     failed = grammar.failure(out, job["params"].structured)
                     if failed is not None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from openk3.serve import grammar, protocol
 from openk3.serve.errors import bad_request
-from openk3.serve.outputs import Collector, EngineFailed, completion_logprobs, error_frame, new_id, sse
+from openk3.serve.outputs import KEEPALIVE, Collector, EngineFailed, completion_logprobs, error_frame, new_id, sse
 
 FIELDS = protocol.SAMPLING_FIELDS + ("logprobs", "prompt", "echo", "suffix", "best_of", "response_format")
 
@@ -46,7 +46,7 @@ def prepare(state, body: dict) -> dict:
     protocol.check_fields(body, FIELDS)
     if body.get("suffix") is not None:
         raise bad_request("suffix is not supported (no fill-in-the-middle)", param="suffix", code="unsupported_field")
-    common = protocol.common(body, state.vocab_size)
+    common = protocol.common(body, state.vocab_size, default_max_tokens=state.default_max_tokens)
     if body.get("best_of") not in (None, common.n):
         raise bad_request(f"best_of must equal n ({common.n}) when given, got {body['best_of']!r}", param="best_of")
     logprobs = protocol.completion_logprobs(body)
@@ -58,6 +58,7 @@ def prepare(state, body: dict) -> dict:
     common.params = replace(common.params, logprobs=logprobs, logprobs_mode=state.logprobs_mode,
                             structured=grammar.completion(state, body))
     prompts = _prompts(body, state)
+    protocol.check_capacity(len(prompts) * common.n, state.loop.capacity, "prompt" if len(prompts) > 1 else "n")
     params = [common.capped(len(p), state.max_model_len, "prompt") for p in prompts]
     requests = [(p, sp) for p, base in zip(prompts, params, strict=True)
                 for sp in protocol.choice_params(base, common.n)]
@@ -128,7 +129,10 @@ async def stream(state, job: dict, model: str):
                 if job["echo"][k // n]:
                     yield chunk(k, job["echo"][k // n])
             try:
-                async for k, out in collector.outputs():
+                async for k, out in collector.outputs(state.sse_keepalive_s):
+                    if out is None:
+                        yield KEEPALIVE
+                        continue
                     failed = grammar.failure(out, job["common"].params.structured)
                     if failed is not None:
                         yield grammar.error_event(failed)

@@ -2,8 +2,9 @@
 answers (next-agents-serving.md §3.7): the status stays in the HTTP status line, `code` is a string or null.
 
 Handlers replace FastAPI's defaults, whose `{"detail": ...}` shape clients cannot read: request validation
-(422 -> 400), Starlette's HTTP errors (unknown route 404, wrong method 405, unparsable body 400) and, as
-a last resort, any other exception (500, logged with its traceback).
+(422 -> 400), Starlette's HTTP errors (unknown route 404, wrong method 405, unparsable body 400), a client
+that disconnects mid-body (one log line, no traceback) and, as a last resort, any other exception (500,
+logged with its traceback).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        if self.status in (408, 413):  # the rest of the body is not read: the connection cannot carry another request
+            headers = {"Connection": "close"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 
@@ -61,6 +65,13 @@ def install_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
         return APIError(exc.status_code, message, code=code).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # A client that hung up while sending its body: one line, no traceback (nothing is wrong here).
+        log.info("%s %s: the client disconnected before its request body had arrived", request.method,
+                 request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

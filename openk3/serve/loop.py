@@ -114,6 +114,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
 
+    def healthy(self) -> bool:
+        """What /health answers (the thread shares this process: alive is all there is to know)."""
+        return self.alive
+
+    @property
+    def capacity(self) -> int:
+        """The most engine requests ever admitted at once (`max_num_seqs + max_queue`)."""
+        return self.engine.max_num_seqs + self.max_queue
+
     def stopped(self) -> bool:
         """The thread has ended (or never started)."""
         return self._thread is None or not self._thread.is_alive()

@@ -29,6 +29,11 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
+#: An SSE comment, sent while a stream has had nothing to send for `--sse-keepalive` seconds (a long prefill):
+#: proxies with a read timeout keep the connection, and clients' SSE parsers skip comment lines.
+KEEPALIVE = ": keep-alive\n\n"
+
+
 class Collector:
     def __init__(self, loop, requests: Sequence[tuple[list[int], SamplingParams]], *,
                  stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> None:
@@ -58,10 +63,18 @@ class Collector:
         except LoopDead as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) until every choice has finished. An engine failure raises `EngineFailed`."""
+    async def outputs(self, keepalive_s: float | None = None) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+        """(choice index, output) until every choice has finished. An engine failure raises `EngineFailed`.
+        With `keepalive_s`, (-1, None) whenever that long passes with no output (a stream sends KEEPALIVE then)."""
         while self.unfinished:
-            k, out = await self._queue.get()
+            if keepalive_s is None or not self._queue.empty():  # (wait_for costs a task per call: only when idle)
+                k, out = await self._queue.get()
+            else:
+                try:
+                    k, out = await asyncio.wait_for(self._queue.get(), keepalive_s)
+                except asyncio.TimeoutError:
+                    yield -1, None
+                    continue
             if isinstance(out, BaseException):
                 self.unfinished.clear()
                 raise EngineFailed(out) from out

@@ -23,7 +23,10 @@ of its own, so the parent's writes never wait for a step to end (and the two pro
 on each other's full pipes).
 
 If the child dies, the parent sees the outbox close: every request in flight fails with `LoopDead`
-(the server answers 503 `engine_unavailable`), /health answers 503, and new requests are refused.
+(the server answers 503 `engine_unavailable`), /health answers 503, and new requests are refused. A child
+that lives but cannot run (stopped with SIGSTOP, starved) closes nothing: a thread of the child sends a
+heartbeat every HEARTBEAT_S, and `healthy()` (what /health answers) is false once nothing at all has come
+for `heartbeat_timeout_s`; requests are still admitted then (the child may go on).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ from openk3.serve.metrics import Metrics
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 30.0  # a step in progress finishes before the child reads "stop"
+#: /health answers 503 once the child has sent nothing (not even its heartbeat, every HEARTBEAT_S) this long.
+HEARTBEAT_TIMEOUT_S = 20.0
+HEARTBEAT_S = 1.0
 
 
 @dataclass
@@ -95,7 +101,7 @@ def _child_main(inbox_fd: int, outbox_fd: int) -> None:
         # The parent's import path first (the builder may live in a module only it can see, a test helper),
         # then the builder itself, unpickled with that path in place.
         sys.path[:] = inbox.recv()
-        build, threads, log_level = inbox.recv()
+        build, threads, log_level, beat_s = inbox.recv()
     except EOFError:
         return
     logging.basicConfig(level=log_level, format="%(levelname)s: [engine] %(name)s: %(message)s")
@@ -113,6 +119,19 @@ def _child_main(inbox_fd: int, outbox_fd: int) -> None:
         return
     outbox.send(("ready", info))
     messages: queue.SimpleQueue = queue.SimpleQueue()
+    lock = threading.Lock()  # the heartbeat thread and the main loop share the outbox
+
+    def send(msg: tuple) -> None:
+        with lock:
+            outbox.send(msg)
+
+    def beat() -> None:  # a thread: it goes on through long steps, and stops only with the whole process
+        try:
+            while True:
+                time.sleep(beat_s)
+                send(("beat",))
+        except (OSError, ValueError):  # the outbox is closed: this process is ending
+            pass
 
     def read() -> None:
         try:
@@ -122,15 +141,18 @@ def _child_main(inbox_fd: int, outbox_fd: int) -> None:
             messages.put(("stop",))
 
     threading.Thread(target=read, name="openk3-engine-inbox", daemon=True).start()
+    threading.Thread(target=beat, name="openk3-engine-heartbeat", daemon=True).start()
     try:
-        _serve(engine, messages, outbox)
+        _serve(engine, messages, send)
     except (BrokenPipeError, EOFError, ConnectionResetError):
         pass  # the parent went away mid-send: nobody is left to answer
     finally:
-        outbox.close()
+        # (a heartbeat blocked on a full pipe, with nobody reading, must not keep this process: exiting closes it)
+        if lock.acquire(timeout=5):
+            outbox.close()
 
 
-def _serve(engine, messages: queue.SimpleQueue, outbox) -> None:
+def _serve(engine, messages: queue.SimpleQueue, send: Callable[[tuple], None]) -> None:
     stats = engine.stats
     while True:
         # Idle: wait for the next message. Busy: take whatever arrived during the last step, then step.
@@ -156,15 +178,15 @@ def _serve(engine, messages: queue.SimpleQueue, outbox) -> None:
                         failures.append((rid, f"{type(e).__name__}: {e}"))
         if not engine.has_unfinished():
             if failures:
-                outbox.send(("step", len(engine.running), len(engine.waiting), 0, 0, [], failures))
+                send(("step", len(engine.running), len(engine.waiting), 0, 0, [], failures))
             continue
         before = stats["generation_tokens"], stats["prompt_tokens"]
         outputs, failed = guarded_step(engine)
         failures += [(rid, f"{type(e).__name__}: {e}") for rid, e in failed]
         outs = [(o.request_id, o.delta_token_ids, o.delta_text, o.finish_reason if o.finished else None,
                  o.stop_reason, o.delta_logprobs) for o in outputs]
-        outbox.send(("step", len(engine.running), len(engine.waiting), stats["generation_tokens"] - before[0],
-                     stats["prompt_tokens"] - before[1], outs, failures))
+        send(("step", len(engine.running), len(engine.waiting), stats["generation_tokens"] - before[0],
+              stats["prompt_tokens"] - before[1], outs, failures))
 
 
 # ---- the parent ---------------------------------------------------------------------------------------
@@ -196,9 +218,13 @@ class EngineProcess:
     `info` then says what the HTTP side needs (tokenizer, vocabulary, limits). `start()` runs in the
     event loop that serves the app (the app's lifespan): outputs are delivered on that loop's thread."""
 
-    def __init__(self, build: Callable, metrics: Metrics, *, max_queue: int = 256, threads: int | None = None) -> None:
+    def __init__(self, build: Callable, metrics: Metrics, *, max_queue: int = 256, threads: int | None = None,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if heartbeat_timeout_s <= 0:
+            raise ValueError(f"heartbeat_timeout_s must be > 0, got {heartbeat_timeout_s}")
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         try:
             pickle.dumps(build)
         except Exception as e:
@@ -224,7 +250,8 @@ class EngineProcess:
         self._finalizer = weakref.finalize(self, _shutdown, self._proc, (self._inbox, self._outbox))
         try:
             self._inbox.send(list(sys.path))
-            self._inbox.send((build, threads, logging.getLogger().getEffectiveLevel()))
+            self._inbox.send((build, threads, logging.getLogger().getEffectiveLevel(),
+                              min(HEARTBEAT_S, heartbeat_timeout_s / 4)))
             msg = self._outbox.recv()
         except (EOFError, OSError):
             self._finalizer()
@@ -246,6 +273,7 @@ class EngineProcess:
             raise EngineStartError(f"the engine process failed to start: {kind}: {message}\n{tb}")
         self.info: EngineInfo = msg[1]
         self.max_num_seqs = self.info.max_num_seqs
+        self._heard = time.monotonic()  # when the child last sent anything (a step, or its heartbeat)
 
     @property
     def pid(self) -> int | None:
@@ -257,6 +285,7 @@ class EngineProcess:
         """Start delivering outputs on the running event loop (call from inside it)."""
         self._aloop = asyncio.get_running_loop()
         self._aloop.add_reader(self._outbox.fileno(), self._on_readable)
+        self._heard = time.monotonic()
 
     def stop(self) -> None:
         """Stop the child after its current step (at most STOP_TIMEOUT_S, then it is terminated); requests still
@@ -274,6 +303,18 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         return not self._dead and self._proc.poll() is None
+
+    def healthy(self) -> bool:
+        """Alive, and heard from within `heartbeat_timeout_s` (what /health answers). A stopped child (SIGSTOP)
+        or one that cannot run sends no heartbeat; new requests are still admitted (it may go on)."""
+        if self._aloop is not None:
+            self._on_readable()  # what arrived while the event loop was busy is news, not silence
+        return self.alive and time.monotonic() - self._heard < self.heartbeat_timeout_s
+
+    @property
+    def capacity(self) -> int:
+        """The most engine requests ever admitted at once (`max_num_seqs + max_queue`)."""
+        return self.max_num_seqs + self.max_queue
 
     def stopped(self) -> bool:
         """The child has exited (tests: nothing is left running after a shutdown)."""
@@ -320,7 +361,10 @@ class EngineProcess:
     def _on_readable(self) -> None:
         try:
             while self._outbox.poll():
-                self._on_message(self._outbox.recv())
+                msg = self._outbox.recv()
+                self._heard = time.monotonic()
+                if msg[0] != "beat":
+                    self._on_message(msg)
         except (EOFError, OSError) as e:
             self._on_child_death(e)
 

@@ -10,6 +10,7 @@ ignored and logged, as vLLM does: clients and agent frameworks send fields of ne
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openk3.infer.sample import MIN_REPETITION_PENALTY, SamplingParams
-from openk3.serve.errors import bad_request
+from openk3.serve.errors import APIError, bad_request
 
 #: Fields both endpoints read; `common()` turns them into SamplingParams. `logprobs` differs by endpoint
 #: (chat: a flag and `top_logprobs`; completions: an int), so each endpoint lists and reads its own.
@@ -35,11 +36,74 @@ log = logging.getLogger(__name__)
 MAX_STOP = 4
 
 
+#: The default cap on a request body (`create_app(max_body_bytes=...)`, `--max-body-mb`): 32 MiB holds a prompt of a
+#: million tokens several times over (about 4 bytes a token as text, 7 as a JSON list of ids), and parsing that
+#: much JSON takes at most about a second (measured: 31 MiB of text 0.13 s, 33 MiB of token ids 0.7-1.0 s), a
+#: second in which the parser holds the interpreter lock and every other request waits.
+MAX_BODY_BYTES = 32 * 2 ** 20
+#: The deepest JSON a body may nest (a tool's `parameters` or a `response_format` schema included): real
+#: schemas nest a few levels (OpenAI's strict mode allows 10), while the renderer's recursion broke near 490.
+MAX_JSON_DEPTH = 100
+
+
+async def read_body(request, max_bytes: int, timeout_s: float) -> bytes:
+    """The request body, or a 413 once it passes `max_bytes` (at once when Content-Length says so), or a 408
+    when it has not all arrived within `timeout_s`. Both answers close the connection (the rest of the body
+    is not read). A client that goes away mid-body raises starlette's ClientDisconnect."""
+    length = request.headers.get("content-length", "")
+    too_big = APIError(413, f"the request body is larger than this server's limit of {max_bytes} bytes "
+                            "(openk3 serve --max-body-mb)", code="request_too_large")
+    if length.isdigit() and int(length) > max_bytes:
+        raise too_big
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (openk3 serve --body-timeout)",
+                       code="request_timeout") from None
+
+
+_CONTAINERS = {dict, list}
+
+
+def _deeper_than(value, limit: int) -> str | None:
+    """The top-level key (or "") under which `value` nests deeper than `limit`, else None. Iterative: a
+    recursive walk is what such a body breaks."""
+    stack = [(value, 1, "")] if isinstance(value, (dict, list)) else []
+    while stack:
+        node, depth, top = stack.pop()
+        if depth > limit:
+            return top
+        if not _CONTAINERS & set(map(type, node.values() if isinstance(node, dict) else node)):
+            continue  # leaves only (a prompt of a million token ids): no Python-level loop over them
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend((child, depth + 1, top if depth > 1 else str(key)) for key, child in children
+                     if isinstance(child, (dict, list)))
+    return None
+
+
 def parse_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    except RecursionError:
+        body = None  # nested deeper than the parser's stack: refused below, like any body past MAX_JSON_DEPTH
+        too_deep = ""
+    except (UnicodeDecodeError, ValueError) as e:
         raise bad_request(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    else:
+        too_deep = _deeper_than(body, MAX_JSON_DEPTH)
+    if too_deep is not None:
+        raise bad_request(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels"
+                          + (f" (in {too_deep})" if too_deep else ""), param=too_deep or None, code="json_too_deep")
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -130,15 +194,17 @@ class Common:
     """What both endpoints share: the choices per prompt, the token cap, sampling, stream options."""
 
     n: int
-    max_tokens: int | None  # None: up to the context limit
+    max_tokens: int | None  # None: the server's default cap (`default_max_tokens`), else up to the context limit
     params: SamplingParams  # with max_tokens left at its default; `capped` sets it per prompt
     stream: bool
     include_usage: bool
     stop_token_ids: list[int]
     ignore_eos: bool
+    default_max_tokens: int | None = None
 
     def capped(self, prompt_len: int, max_model_len: int, param: str) -> SamplingParams:
-        """The params for a prompt of `prompt_len` tokens; a prompt that leaves no room is a 400."""
+        """The params for a prompt of `prompt_len` tokens; a prompt that leaves no room is a 400. Without a
+        max_tokens of its own the request gets the server's default cap, or what room the context leaves."""
         room = max_model_len - prompt_len
         if room < 1 or (self.max_tokens is not None and self.max_tokens > room):
             asked = "" if self.max_tokens is None else f" + {self.max_tokens} completion tokens"
@@ -147,11 +213,13 @@ class Common:
                               param=param, code="context_length_exceeded")
         from dataclasses import replace
 
-        return replace(self.params, max_tokens=self.max_tokens or room)
+        return replace(self.params, max_tokens=self.max_tokens or min(self.default_max_tokens or room, room))
 
 
-def common(body: dict, vocab_size: int, *, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Common:
-    """The shared fields of a request (already checked against the allowed set)."""
+def common(body: dict, vocab_size: int, *, max_tokens_names: tuple[str, ...] = ("max_tokens",),
+           default_max_tokens: int | None = None) -> Common:
+    """The shared fields of a request (already checked against the allowed set); `default_max_tokens` caps a
+    request that sets no max_tokens (`openk3 serve --default-max-tokens`)."""
     max_tokens = None
     for name in max_tokens_names:  # the first one set wins (max_completion_tokens before max_tokens)
         max_tokens = integer(body, name, None, 1)
@@ -170,15 +238,25 @@ def common(body: dict, vocab_size: int, *, max_tokens_names: tuple[str, ...] = (
     )
     stream = boolean(body, "stream", False)
     options = body.get("stream_options")
-    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
-        raise bad_request(f"stream_options must be an object with include_usage only, got {options!r}",
-                          param="stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request(f"stream_options must be an object, got {options!r}", param="stream_options")
+    if set(options or {}) - {"include_usage"}:  # include_obfuscation (OpenAI), continuous_usage_stats (vLLM), ...
+        log.info("ignored stream_options field(s): %s", ", ".join(sorted(set(options) - {"include_usage"})))
     include_usage = boolean(options or {}, "include_usage", False)
     if include_usage and not stream:
         raise bad_request("stream_options is only allowed with stream=true", param="stream_options")
     return Common(n=integer(body, "n", 1, 1, MAX_N), max_tokens=max_tokens, params=params, stream=stream,
                   include_usage=include_usage, stop_token_ids=token_ids(body, "stop_token_ids", vocab_size),
-                  ignore_eos=boolean(body, "ignore_eos", False))
+                  ignore_eos=boolean(body, "ignore_eos", False), default_max_tokens=default_max_tokens)
+
+
+def check_capacity(count: int, capacity: int, param: str) -> None:
+    """A request of `count` engine requests (prompts x n) that could never be admitted, even by an idle server,
+    is a 400 naming the limit: a 429 would tell clients to retry what cannot succeed."""
+    if count > capacity:
+        raise bad_request(f"this request needs {count} engine requests (prompts x n), more than this server ever "
+                          f"holds at once ({capacity}: --max-num-seqs + --max-queue); split it into smaller requests",
+                          param=param, code="request_too_large")
 
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
