@@ -344,7 +344,8 @@ TINY2 = {"type": "function", "function": {"name": "u", "parameters": {
 
 def test_named_tool_choice(client):
     for stream in (False, True):
-        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TINY, LOOKUP],
+        # (the server refuses LOOKUP's name: OpenAI's rule; the grammar's escaping of it is tested above)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TINY],
                   tool_choice=named("t"), max_tokens=160, seed=7, extra_body=OFF)
         if stream:
             calls, finish = {}, None
