@@ -93,7 +93,7 @@ def check_depth(value, max_depth: int = MAX_JSON_DEPTH, source: str = "") -> Non
         if not isinstance(item, (dict, list)):
             continue
         if len(path) >= max_depth:
-            where = json_path(path[:6]) + ("..." if len(path) > 6 else "")
+            where = json_path(path[:8]) + ("..." if len(path) > 8 else "")
             prefix = f"{source}: " if source else ""
             raise ValueError(f"{prefix}{where or 'the value'}: nested more than {max_depth} levels deep "
                              "(lists and objects)")
