@@ -74,6 +74,23 @@ def test_the_issues_repro_resumes_the_set_aside_step_and_keeps_the_runs_files(re
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_000004"]
 
 
+def test_the_issues_repro_from_the_command_line_resumes_with_the_runs_own_config(ref, capsys):
+    """`openk3 train --out R`: the base config is R's own even while its step is set aside (not the defaults,
+    which then differ from the checkpoint's)."""
+    from openk3.__main__ import main
+
+    out = ref.parent / "cli-repro"  # beside ref: the default cache (<out>/../.cache) is ref's
+    shutil.copytree(ref, out)
+    shutil.rmtree(ckpt(out, 2))
+    os.replace(ckpt(out, 4), out / "checkpoints" / ".old-step_000004-99999")
+    config = (out / "train_config.json").read_text()
+    rc = main(["train", "--out", str(out), "--no-progress"])
+    printed = capsys.readouterr()
+    assert rc == 0, printed.err
+    assert "restored step_000004" in printed.out and "resuming from step 4" in printed.out
+    assert (out / "train_config.json").read_text() == config
+
+
 def test_a_run_whose_checkpoints_are_gone_is_refused_and_left_as_it_is(ref, tmp_path):
     out, cfg = copy_run(ref, tmp_path / "run")
     for step in (2, 4):

@@ -196,6 +196,13 @@ def _set_aside_step(path: Path) -> Path | None:
     return final
 
 
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    """Whether the run folder holds a checkpoint to resume: a complete `step_*` folder, or one a killed re-save
+    set aside (which the run's start restores)."""
+    root = checkpoint_root(out_dir)
+    return find_latest(out_dir) is not None or (root.is_dir() and any(_set_aside_step(p) for p in root.iterdir()))
+
+
 def restore_resaves(out_dir: str | os.PathLike) -> list[str]:
     """Rename back each step folder a killed re-save left aside (`.old-step_N-<pid>`) where it is the only
     complete copy of that step and `step_N` is missing. Returns the steps restored."""
