@@ -52,6 +52,22 @@ def test_info_path_of_a_checkpoint_missing_a_shard_exits_2_naming_it(saved, tmp_
     assert victim.name in capsys.readouterr().err
 
 
+def test_info_path_with_nan_or_inf_weights_exits_2_naming_the_tensors(saved, tmp_path, capsys):
+    """The headers of such a checkpoint are fine; `info` reads the values too (unless --headers-only)."""
+    model = openk3.load(saved / "bf16", dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[3, 5] = float("nan")
+        model.model.norm.weight[0] = float("inf")
+    openk3.save(model, tmp_path / "nan", max_shard_bytes=2 * 2**20)
+    assert main(["info", str(tmp_path / "nan")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith(f"openk3 info: error: {tmp_path / 'nan'}: 2 tensor(s) hold NaN or inf values")
+    assert "language_model.model.embed_tokens.weight (model-" in err and "language_model.model.norm.weight" in err
+    assert main(["info", str(tmp_path / "nan"), "--headers-only", "--json"]) == 0  # as before: headers only
+    assert main(["info", str(saved / "bf16")]) == 0
+
+
 def test_convert_mxfp4_and_back_and_config_forms(saved, capsys):
     src = saved / "bf16"
     assert main(["convert", str(src), str(saved / "mx"), "--experts", "mxfp4"]) == 0

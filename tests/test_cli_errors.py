@@ -128,6 +128,91 @@ def test_disk_full_read_only_or_denied_is_one_line(tmp_path, capsys, ckpt, monke
     assert line == f"openk3 convert: error: {dst / 'model.safetensors'}: {os.strerror(code)}"
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_full_disk_during_convert_names_the_folder_and_what_is_kept(tmp_path, capsys, ckpt, monkeypatch, existing):
+    """A write to a full disk raises OSError(ENOSPC) naming no file: the error names DST and what is left."""
+    from openk3.checkpoint import files
+
+    dst = tmp_path / "out"
+    if existing:
+        assert main(["convert", str(ckpt), str(dst)]) == 0
+        capsys.readouterr()
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def full(fh, t):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files, "write_tensor", full)
+    line = one_error_line(capsys, ["convert", str(ckpt), str(dst)], "convert")
+    kept = "the folder is as it was" if existing else "nothing was created there"
+    assert line == (f"openk3 convert: error: {dst}: {os.strerror(errno.ENOSPC)} (writing a checkpoint; its partial "
+                    f"copy was removed and {kept})")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# ---- sampling and length flags ------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag, value", [("--temperature", "inf"), ("--temperature", "nan"),
+                                         ("--temperature", "-1"), ("--repetition-penalty", "inf"),
+                                         ("--top-p", "nan"), ("--min-p", "inf")])
+def test_non_finite_or_negative_sampling_values_are_refused_before_loading(capsys, ckpt, flag, value, monkeypatch):
+    import openk3.commands.generate as generate
+
+    monkeypatch.setattr(generate, "build_llm", lambda args: pytest.fail("the model was loaded"))
+    line = one_error_line(capsys, ["generate", "--model", str(ckpt), "--prompt", "x", flag, value], "generate")
+    field = flag.removeprefix("--").replace("-", "_")
+    assert f"SamplingParams.{field} must be" in line and line.endswith(f"got {float(value)!r}")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "eval", "rl", "distill"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_max_model_len_below_one_is_a_usage_error(capsys, command, value):
+    """0 once meant "the model's default" silently; it is refused naming the flag and the value."""
+    argv = {"generate": ["generate", "-m", "M", "-p", "x"], "chat": ["chat", "-m", "M"],
+            "eval": ["eval", "--models", "a=M", "--out", "O"],
+            "rl": ["rl", "--model", "M", "--domain", "general", "--effort", "low", "--out", "O"],
+            "distill": ["distill", "--student", "M", "--teachers", "T", "--out", "O"]}[command]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--max-model-len", value])
+    assert e.value.code == 2
+    assert f"argument --max-model-len: must be >= 1, got {value}" in capsys.readouterr().err
+
+
+# ---- chat requests: the field, never a traceback -------------------------------------------------
+
+def _deep_object(levels: int) -> str:
+    return '{"a": ' * levels + "1" + "}" * levels
+
+
+@pytest.mark.parametrize("request_text, field", [
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": 1}]}',
+     "messages[1].tool_calls must be a list of tool calls, got int"),
+    ('{"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 1}}]}]}',
+     "messages[0].tool_calls[0].function.name must be a string, got 1"),
+    ('{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", '
+     f'"parameters": {_deep_object(600)}}}}}]}}', "tools[0].function.parameters.a.a.a.a...: nested more than 128"),
+    ('{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": '
+     f'{{"name": "s", "schema": {_deep_object(600)}}}}}}}', "response_format.json_schema.schema.a.a.a.a.a...: nested"),
+])
+def test_template_on_a_malformed_request_names_the_file_and_field(tmp_path, capsys, request_text, field):
+    path = tmp_path / "request.json"
+    path.write_text(request_text)
+    line = one_error_line(capsys, ["template", "--input", str(path)], "template")
+    assert line.startswith(f"openk3 template: error: {path}: {field}")
+
+
+def test_template_input_that_is_not_utf8_is_named(tmp_path, capsys, monkeypatch):
+    import io
+
+    path = tmp_path / "request.json"
+    path.write_bytes(b'{"messages": [{"role": "user", "content": "\xff"}]}')
+    line = one_error_line(capsys, ["template", "--input", str(path)], "template")
+    assert line == f"openk3 template: error: {path}: not UTF-8 text (byte 0xff at offset 43: invalid start byte)"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes())))
+    line = one_error_line(capsys, ["template"], "template")
+    assert line.startswith("openk3 template: error: the request on stdin: not UTF-8 text (byte 0xff")
+
+
 # ---- devices ------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

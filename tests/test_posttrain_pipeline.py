@@ -259,6 +259,25 @@ def test_sandbox_domains_are_refused_with_the_reason_not_skipped(tmp_path, monke
     assert Pipeline(tmp_path / "pt", preset="nano", profile="tiny", domains=("general",)).domains == ("general",)
 
 
+def test_a_folder_whose_profile_numbers_differ_is_refused_naming_them(tmp_path):
+    """Same profile name, other numbers (a Profile passed in, or a newer openk3's profile): the stages done
+    were computed with the recorded ones, so the run is not continued with these."""
+    import dataclasses
+
+    import openk3.posttrain.pipeline as pl
+
+    out = tmp_path / "pt"
+    out.mkdir()
+    Pipeline(out, preset="nano", profile="tiny", domains=("general",))._save_state()  # as a run's first start does
+    assert Pipeline(out, preset="nano", profile="tiny", domains=("general",)).state["profile"]  # same numbers: fine
+    before = (out / "pipeline.json").read_text()
+    changed = dataclasses.replace(pl.PROFILES["tiny"], sft_lr=pl.PROFILES["tiny"].sft_lr * 2, rl_steps=7)
+    with pytest.raises(ValueError, match=r"profile 'tiny' with other numbers.*rl_steps: \d+ -> 7; sft_lr: ") as e:
+        Pipeline(out, preset="nano", profile=changed, domains=("general",))
+    assert str(out / "pipeline.json") in str(e.value)
+    assert (out / "pipeline.json").read_text() == before
+
+
 def test_contract_is_checked_on_the_cells_that_ran():
     cell = {"accuracy": 0.5, "thinking_tokens": 3.0, "n": 16}
     m = {"general": {e: dict(cell) for e in THINKING_EFFORTS}}

@@ -210,11 +210,36 @@ def with_field(**changes) -> str:
     (with_field(split="dev"), "record 'agent-0': split must be one of"),
     (json.dumps({"domain": "general", "effort": "low", "messages": []}), "missing: id"),
     (with_field(messages=[{"role": "tool", "tool_call_id": "x", "content": "1"}]), r"messages\[0\]\.tool_call_id"),
+    # issue 28: a TypeError, two RecursionErrors
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": 1}]}',
+     r"messages\[1\]\.tool_calls must be a list of tool calls, got int"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "tools": [{"type": '
+     '"function", "function": {"name": "f", "parameters": ' + '{"a": ' * 600 + '1' + '}' * 600 + '}}]}',
+     r"tools\[0\]\.function\.parameters\.a\.a\.a\.a\.\.\.: nested more than 128 levels deep"),
+    ("[" * 5000 + "]" * 5000, "JSON nested too deeply to parse"),
 ])
 def test_bad_line_names_file_line_and_field(tmp_path, line, field):
     path = write_jsonl(tmp_path / "bad.jsonl", [digit_chat(1), "", line])
     with pytest.raises(ValueError, match=rf"{re.escape(path)}:3: .*{field}"):
         load_conversations([path], byte_tokenizer(), seq_len=256)
+
+
+def test_cli_bad_data_is_one_line_naming_file_line_and_field(base, tmp_path, capsys):
+    """`openk3 sft` on a line that is not UTF-8 once said only "'utf-8' codec can't decode byte 0xff in
+    position 502"; on `"tool_calls": 1` it printed a traceback."""
+    from openk3.__main__ import main
+
+    good = json.dumps(digit_chat(1)).encode() + b"\n"
+    cases = {"latin1.jsonl": (good + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n',
+                              ":2: not UTF-8 text (byte 0xe9 at offset 46: invalid continuation byte)"),
+             "calls.jsonl": (good * 2 + b'{"messages": [{"role": "assistant", "content": "", "tool_calls": 1}]}\n',
+                             ":3: messages[0].tool_calls must be a list of tool calls, got int")}
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        rc = main(["sft", "--model", str(base), "--data", str(tmp_path / name), "--out", str(tmp_path / "out"),
+                   "--no-progress"])
+        out, err = capsys.readouterr()
+        assert rc == 2 and err == f"openk3 sft: error: {tmp_path / name}{message}\n", err
 
 
 def test_missing_file_and_empty_data_are_errors(tmp_path, base):

@@ -296,6 +296,15 @@ def test_tiny_temperature_is_greedy_and_tiny_repetition_penalty_is_refused():
     SamplingParams(repetition_penalty=0.01)
 
 
+@pytest.mark.parametrize("field, value", [("temperature", math.inf), ("repetition_penalty", math.inf),
+                                          ("temperature", math.nan), ("repetition_penalty", math.nan),
+                                          ("top_p", math.inf), ("min_p", -math.inf)])
+def test_non_finite_sampling_values_are_refused_naming_the_field(field, value):
+    """temperature=inf once sampled uniformly (logits / inf = 0), without a word."""
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be .*got {value!r}"):
+        SamplingParams(**{field: value})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=0.5, top_k=7, top_p=0.8, min_p=0.05,
                                                             repetition_penalty=1.3),

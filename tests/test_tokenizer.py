@@ -471,6 +471,24 @@ def test_config_without_a_chat_marker_is_refused(tmp_path, marker):
     assert Tokenizer.from_dir(tmp_path).encode(marker, allow_special=True) == [k3_special_tokens(256)[marker]]
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("eos_token", "[NOPE]", r"tokenizer_config\.json:\d+: eos_token '\[NOPE\]' is not a special token of this "
+                            r"tokenizer \(its named specials: \[BOS\], \[EOS\]"),
+    ("pad_token", {"content": "[NOPE]"}, r"tokenizer_config\.json:\d+: pad_token '\[NOPE\]' is not a special token"),
+    ("bos_token", 7, r"tokenizer_config\.json:\d+: bos_token must be a special token's name \(a string\), null"),
+])
+def test_a_named_token_the_tokenizer_lacks_is_refused(tmp_path, key, value, message):
+    """eos_token "[NOPE]" once loaded with eos_id None, silently: generation then never stops at an eos."""
+    (tmp_path / "tiktoken.model").write_text("\n".join(_byte_lines()) + "\n")
+    cfg = tokenizer_config(k3_special_tokens(256), k3_special_flags())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, key: value}, indent=1))
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_dir(tmp_path)
+    for ok in (None, "[PAD]", {"content": "[PAD]"}):  # null (no such token) and a special's name are fine
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, key: ok}))
+        Tokenizer.from_dir(tmp_path)
+
+
 def test_xtml_markers_are_the_renderers():
     from openk3.chat.xtml import MARKERS
 

@@ -480,15 +480,51 @@ def test_request_errors(request_, match):
         render(request_)
 
 
+def _nested(levels: int) -> dict:
+    value: dict = {"type": "string"}
+    for _ in range(levels):
+        value = {"type": "object", "properties": {"a": value}}
+    return value
+
+
+@pytest.mark.parametrize("request_, match", [
+    ({"messages": [user("q"), {"role": "assistant", "content": "", "tool_calls": 1}]},
+     r"^messages\[1\]\.tool_calls must be a list of tool calls, got int$"),
+    ({"messages": [user("q"), {"role": "assistant", "content": "", "tool_calls": [1]}]},
+     r"^messages\[1\]\.tool_calls\[0\]: a tool call must be an object, got int$"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": 1}}]}]},
+     r"^messages\[0\]\.tool_calls\[0\]\.function\.name must be a string, got 1$"),
+    ({"messages": [user("q")], "tools": {"type": "function"}}, r"^tools must be a list of tool schemas, got dict$"),
+    ({"messages": [{"role": "system", "tools": "x"}]}, r"^messages\[0\]\.tools must be a list of tool schemas"),
+    ({"messages": [user("q")], "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(300)}}]},
+     r"^tools\[0\]\.function\.parameters\.properties\.a\.properties\.a\.\.\.: nested more than 128 levels "),
+    ({"messages": [user("q"), {"role": "assistant", "content": "",
+                               "tool_calls": [{"function": {"name": "f", "arguments": _nested(300)}}]}]},
+     r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments\.properties\.a\.\.\.: nested more than 128"),
+])
+def test_malformed_shapes_and_deep_nesting_name_the_field(request_, match):
+    """Issue 28: `"tool_calls": 1` was a TypeError, a 600-level schema a RecursionError (server 500s, CLI
+    tracebacks); each is a ValueError naming the field, which the server turns into a 400 with `param`."""
+    with pytest.raises(ValueError, match=match):
+        render(request_)
+
+
+def test_arguments_too_deep_to_render_stay_the_raw_string():
+    """As malformed JSON arguments do: a string that parses to a value nested past the limit is kept verbatim."""
+    raw = json.dumps(_nested(300))
+    prompt = render_text(render(_call_turn({"id": "1", "function": {"name": "f", "arguments": raw}})))
+    assert f'<|open|>json type="object"<|sep|>{raw}<|close|>json<|sep|>' in prompt
+
+
 def _call_turn(*calls) -> dict:
     return {"messages": [user("q"), {"role": "assistant", "content": "a", "tool_calls": list(calls)}]}
 
 
 @pytest.mark.parametrize("call, match", [
-    ({"id": "1", "function": {"name": "", "arguments": "{}"}}, r"messages\[1\] tool_calls\[1\]: function.name ''"),
+    ({"id": "1", "function": {"name": "", "arguments": "{}"}}, r"messages\[1\]\.tool_calls\[1\]: function.name ''"),
     ({"id": "1", "function": {"name": " \t", "arguments": "{}"}}, r"tool_calls\[1\]: function.name ' \\t'"),
     ({"id": "1", "name": "", "arguments": {"a": 1}}, r"tool_calls\[1\]: function.name ''"),  # flat call
-    ({"id": "1", "function": {"name": "f", "arguments": '{"": "x"}'}}, r"messages\[1\] tool_calls\[1\]: "
+    ({"id": "1", "function": {"name": "f", "arguments": '{"": "x"}'}}, r"messages\[1\]\.tool_calls\[1\]: "
      r"function.arguments has the key ''"),
     ({"id": "1", "function": {"name": "f", "arguments": {"a": 1, "  ": 2}}}, r"function.arguments has the key '  '"),
 ])
@@ -554,7 +590,7 @@ def test_cli_template_ids(monkeypatch, capsys):
     ("[]", {}, "JSON object"),
     (json.dumps({"messages": [user("x")]}), {"ids": True}, "--tokenizer"),
     (json.dumps({"messages": [user("x")], "thinking_effort": "medium"}), {}, "medium"),
-    (json.dumps(_call_turn({"function": {"name": "", "arguments": "{}"}})), {}, r"messages\[1\] tool_calls\[0\]"),
+    (json.dumps(_call_turn({"function": {"name": "", "arguments": "{}"}})), {}, r"messages\[1\]\.tool_calls\[0\]"),
 ])
 def test_cli_template_errors(monkeypatch, capsys, stdin, flags, match):
     with pytest.raises(ValueError, match=match):

@@ -27,6 +27,8 @@ import json
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from openk3.fsutil import check_depth
+
 OPEN = "<|open|>"
 CLOSE = "<|close|>"
 SEP = "<|sep|>"
@@ -305,7 +307,8 @@ def parse_arguments(arguments: Any, where: str = "tool call") -> tuple[dict | No
             return {}, None
         try:
             parsed = json.loads(arguments)
-        except (json.JSONDecodeError, RecursionError):  # kept as the raw string, as the model wrote it
+            check_depth(parsed)  # too deep to render as arguments (their values are dumped again)
+        except (json.JSONDecodeError, RecursionError, ValueError):  # kept as the raw string, as the model wrote it
             return None, arguments
         if not isinstance(parsed, dict):
             raise ValueError(f"{where}: arguments must be a JSON object, got {type(parsed).__name__}")
@@ -315,11 +318,40 @@ def parse_arguments(arguments: Any, where: str = "tool call") -> tuple[dict | No
 
 def _function(call: Any, where: str) -> dict:
     if not isinstance(call, dict):
-        raise ValueError(f"{where}: a tool call must be an object")
+        raise ValueError(f"{where}: a tool call must be an object, got {type(call).__name__}")
     fn = call.get("function", call)
     if not isinstance(fn, dict) or fn.get("name") is None:
         raise ValueError(f"{where}: a tool call needs function.name")
+    if not isinstance(fn["name"], str):
+        raise ValueError(f"{where}.function.name must be a string, got {fn['name']!r:.40}")
     return fn
+
+
+def _check_shape(request: dict) -> None:
+    """ValueError naming the field (`messages[1].tool_calls`, `tools`) where the request's shape is not what
+    rendering walks: messages objects with a known role, tool_calls a list of calls with a string
+    function.name, tools a list, and nothing nested deeper than `fsutil.MAX_JSON_DEPTH` (a 600-level tool
+    schema parses, then overflows the recursion of sorting its keys and dumping it)."""
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        raise ValueError("the request needs a 'messages' list")
+    if not isinstance(request.get("tools") or [], list):
+        raise ValueError(f"tools must be a list of tool schemas, got {type(request['tools']).__name__}")
+    for k, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise ValueError(f"messages[{k}] must be an object")
+        role = msg.get("role")
+        if not (isinstance(role, str) and (role in ROLES or role in ROLE_ALIASES)):
+            raise ValueError(f"messages[{k}]: unsupported role {msg.get('role')!r} (K3 knows {', '.join(ROLES)}; "
+                             f"{', '.join(f'{a} renders as {r}' for a, r in ROLE_ALIASES.items())})")
+        calls = msg.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ValueError(f"messages[{k}].tool_calls must be a list of tool calls, got {type(calls).__name__}")
+        for i, call in enumerate(calls or []):
+            _function(call, f"messages[{k}].tool_calls[{i}]")
+        if not isinstance(msg.get("tools") or [], list):
+            raise ValueError(f"messages[{k}].tools must be a list of tool schemas, got {type(msg['tools']).__name__}")
+    check_depth(request)
 
 
 def order_tool_results(messages: list) -> list:
@@ -384,12 +416,10 @@ def _render_assistant(out: _Out, msg: dict, thinking: bool, where: str) -> None:
     out.content(msg.get("content"), where)
     out.close_tag("response")
     calls = msg.get("tool_calls")
-    if calls:
-        if not isinstance(calls, list):
-            raise ValueError(f"{where}: tool_calls must be a list")
+    if calls:  # a list of calls (`_check_shape`)
         out.open_tag("tools")
         for index, call in enumerate(calls, start=1):
-            cwhere = f"{where} tool_calls[{index - 1}]"
+            cwhere = f"{where}.tool_calls[{index - 1}]"
             fn = _function(call, cwhere)
             args, raw = parse_arguments(fn.get("arguments"), cwhere)
             # The parser drops a call whose tool name is blank and an argument whose key is blank (nothing
@@ -426,16 +456,8 @@ def render(request: dict) -> list[Segment]:
     """
     if not isinstance(request, dict):
         raise ValueError("the request must be a JSON object")
-    messages = request.get("messages")
-    if not isinstance(messages, list):
-        raise ValueError("the request needs a 'messages' list")
-    for k, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise ValueError(f"messages[{k}] must be an object")
-        role = msg.get("role")
-        if not (isinstance(role, str) and (role in ROLES or role in ROLE_ALIASES)):
-            raise ValueError(f"messages[{k}]: unsupported role {msg.get('role')!r} (K3 knows {', '.join(ROLES)}; "
-                             f"{', '.join(f'{a} renders as {r}' for a, r in ROLE_ALIASES.items())})")
+    _check_shape(request)
+    messages = request["messages"]
     thinking, effort = resolve_thinking(request)
     add_generation_prompt = _pick(request, ("add_generation_prompt",), "add_generation_prompt values")
     add_generation_prompt = True if add_generation_prompt is _UNSET else bool(add_generation_prompt)

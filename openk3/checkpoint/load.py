@@ -342,6 +342,24 @@ def _all_finite(t: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(flat[i:i + _FINITE_CHUNK]).all()) for i in range(0, flat.numel(), _FINITE_CHUNK))
 
 
+def nonfinite_tensors(inv: Inventory, handles: dict) -> list[str]:
+    """"name (file)" of each file tensor of an inventoried checkpoint (`inventory(..., keep_handles=True)`) that
+    holds NaN or inf, or for MXFP4 scales the E8M0 NaN byte: every tensor is read, one at a time."""
+    bad = []
+    for name, (dtype, _) in sorted(inv.headers.items(), key=lambda item: (inv.weight_map[item[0]], item[0])):
+        scales = dtype == "U8" and name.endswith("_scale")
+        if dtype not in ST_FLOATS and not scales:
+            continue  # MXFP4 codes: every E2M1 code is finite
+        file = inv.weight_map[name]
+        try:
+            t = handles[file].get_tensor(name)
+        except Exception as err:  # I/O or a corrupt data section
+            raise ValueError(f"{inv.folder / file}: cannot read tensor {name} ({err})") from None
+        if bool((t == SCALE_NAN).any()) if scales else not _all_finite(t):
+            bad.append(f"{name} ({file})")
+    return bad
+
+
 def _require_finite(out: torch.Tensor, src: torch.Tensor | None, name: str, where: Path) -> None:
     """ValueError naming the tensor and file if `out` (the in-memory form of file tensor `src`; None
     for MXFP4, whose file bytes cannot hold NaN/inf beyond the scale byte checked before) is not finite."""

@@ -12,6 +12,7 @@ import torch
 from openk3.checkpoint import files
 from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_files, layout
 from openk3.common import resolve_dtype
+from openk3.fsutil import naming
 
 SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -84,6 +85,7 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
     files.clean_leftovers(path)
     tmp = files.temp_sibling(path, "tmp")
     tmp.mkdir()
+    existed = path.exists()
     try:
         files.write_json(tmp / "config.json", config)
         files.write_json(tmp / "generation_config.json", generation)
@@ -91,6 +93,10 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)
         files.swap_in(tmp, path)
+    except OSError as e:  # a full disk says only "No space left on device": name the folder, say what is kept
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = "the folder is as it was" if existed else "nothing was created there"
+        raise naming(e, path, f"writing a checkpoint; its partial copy was removed and {kept}", temp=tmp) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

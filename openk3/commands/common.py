@@ -41,10 +41,22 @@ def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) 
     p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help=f"trajectories the engine decodes together (default {d.max_num_seqs})")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context limit per trajectory (default: the model's max_position_embeddings)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
+
+
+def positive_int(value: str) -> int:
+    """An argparse `type=` for counts and lengths that must be >= 1 (`--max-model-len`): 0 or a negative number
+    is a usage error naming the value, not a silent "default" (the engine reads 0 as "not given")."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def parse_dtype(value: str):
@@ -72,12 +84,17 @@ def config_from_args(args: argparse.Namespace, default: str = "nano") -> tuple[K
     return preset(name), name
 
 
-def read_text_input(path: str | None) -> str:
-    """The text of `path`, or of stdin when `path` is None or "-"; an unreadable file is a ValueError."""
+def read_text_input(path: str | None, stdin_name: str = "stdin") -> str:
+    """The text of `path`, or of stdin when `path` is None or "-"; an unreadable file, or one that is not
+    UTF-8, is a ValueError naming it (stdin as `stdin_name`)."""
+    from openk3.fsutil import decode_utf8
+
     try:
         if path is None or path == "-":
-            return sys.stdin.read()
-        with open(path, encoding="utf-8") as fh:
-            return fh.read()
+            data, where = (sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin).read(), stdin_name
+        else:
+            with open(path, "rb") as fh:
+                data, where = fh.read(), path
     except OSError as e:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    return data if isinstance(data, str) else decode_utf8(data, where)

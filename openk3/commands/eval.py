@@ -25,6 +25,7 @@ RESPONSE_CAP = 256
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from openk3.chat import THINKING_EFFORTS
+    from openk3.commands.common import positive_int
     from openk3.posttrain.budget import B_FLOOR
     from openk3.posttrain.records import SPLITS
 
@@ -60,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mopd-metrics", default=None, metavar="FILE", help="the MOPD run's metrics.jsonl for "
                                                                         "mopd_training.png")
     p.add_argument("--max-num-seqs", type=int, default=32, help="trajectories decoded together (default 32)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="context limit per trajectory (default: the model's max_position_embeddings)")
     p.add_argument("--device", default=None, help="cpu (default), cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None,

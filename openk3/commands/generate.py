@@ -16,7 +16,7 @@ import argparse
 import json
 import sys
 
-from openk3.commands.common import add_dtype_argument
+from openk3.commands.common import add_dtype_argument, positive_int
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,7 +29,7 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p, "auto", "compute dtype of the weights (auto: float32 on CPU, where it decodes "
                                   "1.5-2x faster than bf16, as stored on a GPU; fp32 islands stay fp32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-model-len", type=positive_int, default=None,
                    help="prompt + generated tokens per request (default: the config's max_position_embeddings)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: $OPENK3_THREADS, else 1 on machines with <= 2 CPUs)")

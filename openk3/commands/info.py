@@ -2,9 +2,10 @@
 
 Counts are read off the model built on the meta device (nothing is allocated). With a checkpoint
 folder PATH (or a training run folder: its latest checkpoint) it also reads the safetensors headers
-(not the data): tensors and bytes by on-disk dtype. A broken checkpoint (a missing shard or tensor, no
-weights, an index entry outside the folder, shapes or dtypes that do not fit the config) is an error:
-exit code 2 and one line on stderr.
+(not the data): tensors and bytes by on-disk dtype, and then reads every tensor once to check that none
+holds NaN or inf (`--headers-only` skips that read, for a checkpoint too large to read through). A broken
+checkpoint (a missing shard or tensor, no weights, an index entry outside the folder, shapes or dtypes that
+do not fit the config, NaN/inf weights, named) is an error: exit code 2 and one line on stderr.
 """
 
 from __future__ import annotations
@@ -21,21 +22,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the FLOPs figures")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--headers-only", action="store_true",
+                   help="read only the safetensors headers: skip the check that no weight is NaN or inf (which "
+                        "reads every tensor once)")
 
 
-def file_summary(path: str) -> tuple[str, dict, object]:
+def file_summary(path: str, read_data: bool = False) -> tuple[str, dict, object]:
     """(checkpoint folder, tensors and bytes by on-disk dtype, its K3Config) of a checkpoint or run folder,
     from its safetensors headers, after checking it as `openk3.load` does before reading data (config, index,
-    every shard present and readable, every tensor the config needs with its shape and dtype).
+    every shard present and readable, every tensor the config needs with its shape and dtype); `read_data`:
+    also every tensor's values (none NaN or inf).
 
     Raises ValueError (one line) for a broken checkpoint; FileNotFoundError for a missing path.
     """
-    from openk3.checkpoint.load import inventory
+    from openk3.checkpoint import files as checkpoint_files
+    from openk3.checkpoint.load import inventory, nonfinite_tensors
 
     try:
-        inv, _ = inventory(path)
+        inv, handles = inventory(path, keep_handles=read_data)
     except ValueError as e:  # the loader lists problems one per line; the CLI prints one line
         raise ValueError("; ".join(line.strip() for line in str(e).splitlines())) from None
+    try:
+        bad = nonfinite_tensors(inv, handles) if read_data else []
+    finally:
+        checkpoint_files.close(handles)
+    if bad:
+        raise ValueError(f"{inv.folder}: {len(bad)} tensor(s) hold NaN or inf values (a diverged run, or a corrupt "
+                         f"file): {checkpoint_files._some(bad, 8)}")
     by_dtype: dict[str, dict[str, int]] = {}
     for dtype, shape in inv.headers.values():
         numel = 1
@@ -65,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     if args.path is not None:
         if args.preset or args.config:
             raise ValueError("give either PATH or --preset/--config, not both")
-        name, files, cfg = file_summary(args.path)  # the config read once (its warnings shown once)
+        name, files, cfg = file_summary(args.path, read_data=not args.headers_only)  # config read once
     else:
         cfg, name = config_from_args(args)
     model = K3ForCausalLM.build(cfg, device="meta", dtype=torch.bfloat16)

@@ -26,13 +26,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", "-i", default=None, metavar="FILE", help="read the request from FILE, not stdin")
 
 
+def source_name(path: str | None) -> str:
+    return path if path not in (None, "-") else "the request on stdin"
+
+
 def read_request(path: str | None) -> dict:
     from openk3.commands.common import read_text_input
     from openk3.fsutil import parse_json
 
-    request = parse_json(read_text_input(path), path or "the request on stdin")
+    request = parse_json(read_text_input(path, source_name(path)), source_name(path))
     if not isinstance(request, dict):
-        raise ValueError("the request must be a JSON object with a 'messages' list")
+        raise ValueError(f"{source_name(path)}: the request must be a JSON object with a 'messages' list")
     return request
 
 
@@ -54,7 +58,11 @@ def main(args: argparse.Namespace) -> int:
 
     if args.tokenizer and not args.ids:
         raise ValueError("--tokenizer is only used with --ids")
-    segments = render(read_request(args.input))
+    try:
+        segments = render(read_request(args.input))
+    except ValueError as e:  # the renderer names the field (`messages[1].tool_calls`); say where it came from
+        source = source_name(args.input)
+        raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
     if args.ids:
         tok = load_tokenizer(args.tokenizer)
         ids, mask = encode_segments(segments, tok)

@@ -56,12 +56,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_config(args: argparse.Namespace) -> Path | None:
     """`OUT/train_config.json` when this command resumes the run in --out (no --config; OUT holds a
     checkpoint and its config), else None."""
-    from openk3.train.state import find_latest
+    from openk3.train.state import has_checkpoint
 
     if args.config is not None or not args.resume:
         return None
     path = Path(args.out) / "train_config.json"
-    return path if path.is_file() and find_latest(args.out) is not None else None
+    return path if path.is_file() and has_checkpoint(args.out) else None
 
 
 def build_config(args: argparse.Namespace):

@@ -10,6 +10,7 @@ logits, never on which other requests share the batch.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ class SamplingParams:
         def bad(field: str, rule: str) -> ValueError:
             return ValueError(f"SamplingParams.{field} must be {rule}, got {getattr(self, field)!r}")
 
-        if not self.temperature >= 0:  # also rejects NaN
-            raise bad("temperature", ">= 0")
+        if not 0 <= self.temperature < math.inf:  # also rejects NaN; inf would silently sample uniformly
+            raise bad("temperature", ">= 0 and finite")
         if self.temperature < MIN_TEMPERATURE:  # greedy, as vLLM: fp32 logits / ~1e-38 overflow to inf -> NaN
             object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
@@ -62,8 +63,8 @@ class SamplingParams:
             raise bad("min_p", "in [0, 1)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "an int >= 0")
-        if not self.repetition_penalty >= MIN_REPETITION_PENALTY:  # it divides logits too: the same overflow
-            raise bad("repetition_penalty", f">= {MIN_REPETITION_PENALTY}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty < math.inf:  # it divides logits: the same overflow
+            raise bad("repetition_penalty", f">= {MIN_REPETITION_PENALTY} and finite")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):

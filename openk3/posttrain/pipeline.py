@@ -49,6 +49,7 @@ REPORT_FILE = "report.json"
 CHAIN = ("max", "high", "low")
 #: Settings of a run that a rerun must repeat: its stages were computed with them.
 FIXED_SETTINGS = ("preset", "profile", "domains", "base", "seed")
+_MISSING = object()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,6 +248,16 @@ class Pipeline:
         if changed:
             raise ValueError(f"{path}: this folder holds a pipeline run with other settings ({'; '.join(changed)}); "
                              "rerun with its settings to continue it, or choose a new --out")
+        # the same profile name can hold other numbers (a Profile passed in, or a newer openk3 whose profile
+        # changed): the stages done were computed with the recorded ones, so continuing would mix two runs
+        recorded, now = state.get("profile", {}), json.loads(json.dumps(dataclasses.asdict(self.profile)))  # as read
+        differ = [f"{k}: {recorded.get(k, '(not recorded)')!r} -> {now.get(k, '(none)')!r}"
+                  for k in sorted(set(recorded) | set(now)) if recorded.get(k, _MISSING) != now.get(k, _MISSING)]
+        if differ:
+            raise ValueError(f"{path}: this folder's run used profile {self.profile.name!r} with other numbers than "
+                             f"the one requested (recorded -> requested: {'; '.join(differ)}); its stages were "
+                             "computed with the recorded ones, so it is not continued with these. Continue it with "
+                             "the openk3 version (or Profile) that made it, or choose a new --out")
         return state
 
     def _save_state(self) -> None:

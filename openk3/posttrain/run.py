@@ -67,7 +67,10 @@ def open_run(out: Path, cfg, *, config_file: str, start_field: str, missing: str
     from openk3.train import state as train_state
 
     out.mkdir(parents=True, exist_ok=True)
+    for name in train_state.restore_resaves(out):
+        say(tag, f"restored {name} (a re-save of it was interrupted between its two renames)")
     train_state.clean_leftovers(out)
+    train_state.refuse_lost_checkpoints(out)  # a run whose checkpoints are gone is not started over silently
     resumed = train_state.load_latest(out)
     if resumed is not None:
         cfg = check_resume(out, cfg)

@@ -270,8 +270,15 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     import openk3
     from openk3.common import resolve_device, seed_everything, setup_cpu
     from openk3.train.config import resume_changes
-    from openk3.train.metrics import MetricsLog, losses_by_step, plot_losses
-    from openk3.train.state import find_latest, open_run_folder, record_config, resume_trainer, save_checkpoint
+    from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, plot_losses
+    from openk3.train.state import (
+        find_latest,
+        open_run_folder,
+        record_config,
+        restart_changes,
+        resume_trainer,
+        save_checkpoint,
+    )
     from openk3.train.trainer import build_trainer, with_tokenizer_ids
 
     device = resolve_device(cfg.device)
@@ -295,6 +302,8 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
         changes = refused + free
         if changes:
             _say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+    else:
+        changes = restart_changes(out, cfg, "sft_config", SFT_RESUME_FREE)
 
     convs, stats = load_conversations(cfg.data, tok, seq_len=cfg.seq_len, overflow=cfg.overflow, splits=cfg.splits)
     _say(f"data {', '.join(cfg.data)}: {stats.describe()}")
@@ -372,6 +381,11 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
                unit="step", dynamic_ncols=True, desc="sft")
     last_saved = trainer.step if ckpt is not None else None
     last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
+    if val and resumed_from is not None and last_eval != trainer.step:
+        # a run an older version finished saved before its final eval: that eval is in metrics.jsonl
+        if (rec := logged_eval(str(metrics_path), trainer.step)) is not None:
+            trainer.history.append({k: rec[k] for k in ("kind", "step", "val_loss")})
+            last_eval = trainer.step
     try:
         while trainer.step < max_steps:
             rec = trainer.train_step(loader.next())
@@ -386,7 +400,8 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
             emit("step", rec)
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-            if val and cfg.eval_every and step % cfg.eval_every == 0:
+            # the last step evaluates before it saves, so a finished run's checkpoint holds its final eval
+            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == max_steps):
                 run_eval()
                 last_eval = step
             if cfg.save_every and step % cfg.save_every == 0:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -104,10 +103,9 @@ class DataStats:
 def parse_line(text: str, where: str, splits: tuple[str, ...] = ("train",)) -> tuple[dict | None, str | None]:
     """(render request, split) of one JSONL line; the request is None when its split is not asked for.
     A line that is not a usable conversation is a ValueError naming `where` and the field."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    from openk3.fsutil import parse_json
+
+    obj = parse_json(text, where)  # malformed or too deeply nested: a ValueError naming `where`
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "domain" in obj or "effort" in obj:  # a post-training record: its own format's checks and rendering
@@ -145,6 +143,8 @@ def encode_request(request: dict, tok, where: str) -> tuple[list[int], list[bool
 def load_conversations(paths, tok, *, seq_len: int, overflow: str = "drop",
                        splits: tuple[str, ...] = ("train",)) -> tuple[list[Conversation], DataStats]:
     """Every conversation of the JSONL files `paths`, encoded and filtered (module docstring)."""
+    from openk3.fsutil import decode_utf8
+
     if overflow not in OVERFLOW:
         raise ValueError(f"overflow must be one of {OVERFLOW}, got {overflow!r}")
     bad = [s for s in splits if s not in SPLITS]
@@ -159,11 +159,12 @@ def load_conversations(paths, tok, *, seq_len: int, overflow: str = "drop",
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise ValueError(f"{path}: no such data file (give JSONL files of conversations)")
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
+        with open(path, "rb") as fh:  # decoded line by line: bytes that are not UTF-8 are named by file:line
+            for lineno, raw in enumerate(fh, start=1):
+                where = f"{path}:{lineno}"
+                line = decode_utf8(raw, where)
                 if not line.strip():
                     continue
-                where = f"{path}:{lineno}"
                 request, split = parse_line(line, where, splits)
                 if request is None:
                     stats.other_split[split] = stats.other_split.get(split, 0) + 1

@@ -167,4 +167,25 @@ def parse_tokenizer_config(text: str, num_ranks: int, path: str = "tokenizer_con
                          f"K3's chat format needs {', '.join(XTML_MARKERS)} as special ids (without them the "
                          "prompt structure would be encoded as plain text)")
     extra = {k: v for k, v in cfg.items() if k != "added_tokens_decoder"}
+    for key in NAMED_TOKENS:
+        _check_named_token(extra, key, specials, f"{path}:{_line_of(text, key)}")
     return specials, flags, extra
+
+
+#: Config fields that name a special token (`Tokenizer.bos_id` / `eos_id` / `pad_id` / `unk_id` look them up).
+NAMED_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _check_named_token(cfg: dict, key: str, specials: dict[str, int], where: str) -> None:
+    """`cfg[key]`, when given, must be null or name a special token (a string or HF's {"content": ...}): a name
+    the tokenizer lacks would leave that id None, silently (no eos: generation never stops at it)."""
+    value = cfg.get(key)
+    name = value.get("content") if isinstance(value, dict) else value
+    if value is None or (isinstance(name, str) and name in specials):
+        return
+    if not isinstance(name, str):
+        raise ValueError(f"{where}: {key} must be a special token's name (a string), null or "
+                         f"{{\"content\": NAME}}, got {value!r:.80}")
+    named = [n for n in specials if not n.startswith("<|reserved_token_")]
+    raise ValueError(f"{where}: {key} {name!r} is not a special token of this tokenizer (its named specials: "
+                     f"{', '.join(named[:12])}{', ...' if len(named) > 12 else ''})")

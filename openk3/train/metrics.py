@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from openk3.chart import new_figure, save_png
-from openk3.fsutil import write_atomic
+from openk3.fsutil import naming, write_atomic
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -43,15 +43,19 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> floa
 
 
 class MetricsLog:
-    """Appends JSON lines to `path`: each record is written whole and flushed before `log` returns."""
+    """Appends JSON lines to `path`: each record is written whole and flushed before `log` returns; a write
+    that fails (a full disk) is an OSError naming the file."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fh = open(path, "a", encoding="utf-8")
 
     def log(self, record: dict) -> None:
-        self._fh.write(json.dumps(record, allow_nan=True) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(record, allow_nan=True) + "\n")
+            self._fh.flush()
+        except OSError as e:
+            raise naming(e, self.path, "appending a record; the records before it are kept") from e
 
     def close(self) -> None:
         if not self._fh.closed:
@@ -62,6 +66,11 @@ class MetricsLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def logged_eval(path: str, step: int) -> dict | None:
+    """The last eval record logged for `step` in a metrics.jsonl, or None."""
+    return next((r for r in reversed(read_metrics(path)) if r.get("kind") == "eval" and r.get("step") == step), None)
 
 
 def read_metrics(path: str) -> list[dict]:

@@ -11,8 +11,8 @@ import os
 import shutil
 from pathlib import Path
 
+from openk3.fsutil import naming
 from openk3.train.config import TrainConfig
-from openk3.train.state import naming
 
 
 def find_tokenizer(cfg: TrainConfig, out_dir: Path):

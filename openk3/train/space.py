@@ -35,6 +35,19 @@ def planned_saves(cfg: TrainConfig, start: int) -> int:
     return cfg.max_steps // cfg.save_every - start // cfg.save_every + (cfg.max_steps % cfg.save_every != 0)
 
 
+def checkpoints_to_fit(saves: int, existing: int, keep: int | None) -> int:
+    """How many checkpoints beyond the `existing` ones the disk holds at the peak while a run writes `saves`
+    more and prunes to the newest `keep` after each (None: keeps all). A save is written whole before older
+    ones go, so before save i the disk holds what save i-1 left (`existing` before the first, then at most
+    `keep`) and the one being written comes on top: a run resumed with keep_checkpoints=1 needs room for one
+    more checkpoint, as it did after its first save."""
+    if saves <= 0:
+        return 0
+    if keep is None:
+        return saves
+    return max(existing, min(existing + saves - 1, keep)) + 1 - existing
+
+
 # The built-in corpus is each stdlib file's code plus its docstrings and comments as a second document:
 # the prose measured 27 % of the code's bytes on CPython 3.11 (openk3/data/corpus.py), so file sizes x 1.5
 # bound the text without parsing anything.

@@ -11,7 +11,10 @@ numpy), the metrics history and the run's config dict.
 Atomicity: a checkpoint is written into a hidden temp folder (`.tmp-step_000300-<pid>`, itself built
 by `openk3.save` in a sibling `..tmp-step_000300-<pid>.tmp-<hex>` and renamed), fsynced and renamed to
 its final name, then `latest` is replaced. A kill at any point leaves either the previous `latest` or
-the new one pointing at a complete folder; `clean_leftovers` removes what a torn save left.
+the new one pointing at a complete folder; `clean_leftovers` removes what a torn save left. Re-saving a
+step that exists (a run resumed from an older checkpoint) moves the old folder aside (`.old-step_N-<pid>`)
+before the new one takes its name: a kill between the two renames leaves the aside copy as the only
+complete one of that step, and `restore_resaves` (run first by `clean_leftovers`) renames it back.
 `find_latest` trusts `latest` only if its folder is complete (its files exist), else falls back to the
 newest complete `step_*` folder. `load_latest` goes further for a resume: it reads the state and the
 weights, and when a checkpoint's files are there but unreadable (truncated, corrupt) it falls back to
@@ -32,11 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from openk3.fsutil import fsync_dir, write_atomic
+from openk3.fsutil import fsync_dir, naming, write_atomic
 
 STATE_FILE = "trainer_state.pt"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_ASIDE_DIR = re.compile(r"^\.old-(step_\d+)-\d+$")  # a step folder moved aside by a re-save (`save_checkpoint`)
 # What an interrupted save leaves in checkpoints/: our `.tmp-step_*-<pid>` / `.old-step_*-<pid>` folders,
 # `openk3.save`'s own temp sibling of the former (`..tmp-step_*-<pid>.tmp-<hex>`, `files.temp_sibling`),
 # `trainer_state.pt.tmp` of `write_trainer_state` and `latest.tmp.<pid>.<hex>` of `fsutil.write_atomic`.
@@ -90,7 +94,14 @@ def write_trainer_state(path: Path, state: dict) -> None:
     simulate a kill in the middle of a checkpoint)."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
-        torch.save(state, fh)
+        try:
+            torch.save(state, fh)
+        except RuntimeError as e:
+            # a write that fails inside torch.save (a full disk: OSError ENOSPC) surfaces as the RuntimeError
+            # its zip writer raises while closing ("unexpected pos ..."); the OSError is the cause to report
+            if isinstance(e.__context__, OSError):
+                raise e.__context__ from None
+            raise
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -126,7 +137,9 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
         fsync_dir(root)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise naming(e, final, "writing a checkpoint") from e
+        kept = find_latest(out_dir)
+        raise naming(e, final, "writing a checkpoint; its partial copy was removed, " + (
+            f"{kept.name} stays the checkpoint to resume from" if kept else "no checkpoint was kept"), temp=tmp) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -134,20 +147,12 @@ def save_checkpoint(out_dir: str | os.PathLike, step: int, model, state: dict, *
         write_atomic(root / LATEST, (final.name + "\n").encode())
         fsync_dir(root)
     except OSError as e:
-        raise naming(e, root / LATEST, "pointing latest at the new checkpoint") from e
+        raise naming(e, root / LATEST, f"pointing latest at the new checkpoint; {final.name} is complete") from e
     if keep is not None:
         for _, path in list_checkpoints(out_dir)[:-keep]:
             if path != final:
                 shutil.rmtree(path, ignore_errors=True)
     return final
-
-
-def naming(e: OSError, path: str | os.PathLike, doing: str) -> OSError:
-    """`e` when it already names a file; else the same error naming `path` and what was being done (a
-    write to a full disk says only "No space left on device", which leaves the user to guess where)."""
-    if e.filename is not None:
-        return e
-    return OSError(e.errno, f"{e.strerror or e} ({doing})", str(path))
 
 
 # ---- find and load ----------------------------------------------------------------------------------
@@ -182,14 +187,48 @@ def find_latest(out_dir: str | os.PathLike) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _set_aside_step(path: Path) -> Path | None:
+    """The step folder `path` is the only complete copy of: `path` is a complete `.old-step_N-<pid>` folder (a
+    re-save moved it aside) and `step_N` is not complete. None otherwise."""
+    m = _ASIDE_DIR.match(path.name)
+    if m is None or not is_complete(path) or is_complete(final := path.parent / m.group(1)):
+        return None
+    return final
+
+
+def has_checkpoint(out_dir: str | os.PathLike) -> bool:
+    """Whether the run folder holds a checkpoint to resume: a complete `step_*` folder, or one a killed re-save
+    set aside (which the run's start restores)."""
+    root = checkpoint_root(out_dir)
+    return find_latest(out_dir) is not None or (root.is_dir() and any(_set_aside_step(p) for p in root.iterdir()))
+
+
+def restore_resaves(out_dir: str | os.PathLike) -> list[str]:
+    """Rename back each step folder a killed re-save left aside (`.old-step_N-<pid>`) where it is the only
+    complete copy of that step and `step_N` is missing. Returns the steps restored."""
+    root = checkpoint_root(out_dir)
+    restored = []
+    for aside in sorted(root.iterdir()) if root.is_dir() else []:
+        final = _set_aside_step(aside)
+        if final is not None and not final.exists():
+            os.replace(aside, final)
+            restored.append(final.name)
+    if restored:
+        fsync_dir(root)
+    return restored
+
+
 def clean_leftovers(out_dir: str | os.PathLike) -> list[str]:
-    """Remove temp folders/files a killed save left in the checkpoint folder; returns their names."""
+    """Remove temp folders/files a killed save left in the checkpoint folder; returns their names. A folder
+    a re-save set aside is restored first (`restore_resaves`), and never removed while it is the only complete
+    copy of its step."""
     root = checkpoint_root(out_dir)
     removed = []
     if not root.is_dir():
         return removed
+    restore_resaves(out_dir)
     for p in sorted(root.iterdir()):
-        if _LEFTOVER.search(p.name):
+        if _LEFTOVER.search(p.name) and _set_aside_step(p) is None:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
@@ -283,9 +322,15 @@ def load_weights_into(model, path: str | os.PathLike, loaded=None) -> None:
 def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None], *,
                     weights_dcp_ok: bool = False):
     """(checkpoint folder, trainer state, weights) of the newest intact checkpoint in `out` to resume, or
-    Nones. Torn saves are removed first; resume=False refuses a folder that has checkpoints."""
+    Nones. Torn saves are removed first (a step a killed re-save set aside is restored); a folder whose
+    checkpoints are gone is refused (`refuse_lost_checkpoints`); resume=False refuses a folder that has
+    checkpoints."""
+    for name in restore_resaves(out):
+        say(f"restored {name} (a re-save of it was interrupted between moving the old copy aside and moving "
+            "the new one in)")
     for name in clean_leftovers(out):
         say(f"removed {name} (left by an interrupted checkpoint)")
+    refuse_lost_checkpoints(out)
     if not resume and (latest := find_latest(out)) is not None:
         raise ValueError(f"{out} already has checkpoints (latest {latest.name}); resume, or choose a new --out")
     if not resume or (found := load_latest(out, weights_dcp_ok=weights_dcp_ok)) is None:
@@ -298,6 +343,40 @@ def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: C
     return ckpt, saved, saved_weights
 
 
+def refuse_lost_checkpoints(out: Path) -> None:
+    """ValueError when `checkpoints/latest` exists (the run completed a checkpoint once) but no complete
+    checkpoint is left: starting over there would replace the run's config and metrics with a new run's."""
+    root = checkpoint_root(out)
+    pointer = root / LATEST
+    if not pointer.is_file() or find_latest(out) is not None:
+        return
+    named = pointer.read_text(errors="replace").strip()[:80]
+    raise ValueError(f"{out}: the run's checkpoints are gone ({pointer} names {named!r}, and {root} holds no "
+                     "complete checkpoint); nothing was changed. Put the checkpoint folder back to resume the run; "
+                     f"to start over, choose a new --out (or remove {pointer}: a new run then replaces this "
+                     "folder's config and metrics)")
+
+
+def restart_changes(out: Path, cfg, name: str, free_keys=None) -> list[str]:
+    """For a run folder with no checkpoint: the free changes (`openk3.train.config.resume_changes`) from an
+    earlier run's `<name>.json` there (one stopped before its first checkpoint), which then starts over from
+    step 0; [] when there is none. Settings that change the run's maths are a ValueError listing them, with
+    nothing written: the folder's config is not replaced by a different run's."""
+    from openk3.fsutil import read_json
+    from openk3.train.config import resume_changes
+
+    path = out / f"{name}.json"
+    if not path.is_file():
+        return []
+    free, refused = resume_changes(read_json(path), cfg.to_dict(), free_keys)
+    if refused:
+        raise ValueError(f"{out}: holds a run that stopped before its first checkpoint, with other settings "
+                         f"({path.name} -> now):\n  " + "\n  ".join(refused) + f"\nto start that run over, give its "
+                         f"settings (they are in {path}); to start a new run, choose a new --out (or remove "
+                         f"{path.name} and metrics.jsonl from {out})")
+    return free
+
+
 def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
                    say: Callable[[str], None], *, write: bool = True) -> int | None:
     """Load the checkpoint into the trainer's model and state and drop metrics logged after it (returns the
@@ -306,6 +385,8 @@ def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights
     if ckpt is None:
         if write and metrics_path.exists():
             metrics_path.unlink()  # no stale records from an earlier attempt without a checkpoint
+            say(f"no checkpoint in {metrics_path.parent}: the earlier attempt stopped before its first one; "
+                f"starting over from step 0 (its {metrics_path.name} restarts)")
         return None
     if saved_weights is None and saved.get("weights_dcp"):  # a multi-process save read by several processes
         from openk3.parallel.checkpoint import load_model

@@ -49,17 +49,19 @@ from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
 from openk3.train.config import TrainConfig, resume_changes
-from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses
+from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, mfu, peak_flops, plot_losses
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
 from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids  # noqa: F401
 from openk3.train.schedule import LRSchedule
-from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, planned_saves
+from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, checkpoints_to_fit, planned_saves
 from openk3.train.state import (
     checkpoint_root,
     find_latest,
+    list_checkpoints,
     open_run_folder,
     record_config,
+    restart_changes,
     resume_trainer,
     rng_state,
     save_checkpoint,
@@ -410,9 +412,8 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     found_tok = find_tokenizer(cfg, out) if main else None  # rank 0 may be writing it: the others wait below
     tok = found_tok[0] if found_tok is not None else None
     model_cfg = cfg.model if tok is None else with_tokenizer_ids(cfg.model, tok)  # a new one gets vocab_size ids
-    saves = planned_saves(cfg, 0 if saved is None else int(saved["step"]))
-    if cfg.keep_checkpoints is not None:  # pruned as it goes; a save is written whole before older ones go
-        saves = min(saves, cfg.keep_checkpoints + 1)
+    saves = checkpoints_to_fit(planned_saves(cfg, 0 if saved is None else int(saved["step"])),
+                               len(list_checkpoints(out)), cfg.keep_checkpoints)
     if main:
         check_free_space(out, saves, checkpoint_bytes(model_cfg), cache_dir,
                          cache_bytes(cfg.data, model_cfg.vocab_size, cache_dir, tok))
@@ -435,6 +436,8 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
         changes = refused + free
         if changes:
             say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+    elif main:
+        changes = restart_changes(out, cfg, "train_config")
     if main:
         record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
 
@@ -529,6 +532,12 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                dynamic_ncols=True, desc="train")
     last_saved = trainer.step if ckpt is not None else None
     last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
+    if resumed_from is not None and last_eval != trainer.step and not mesh.distributed:
+        # a run an older version finished saved before its final eval: that eval is in metrics.jsonl, not in
+        # the checkpoint's history (and evaluating again would log it twice)
+        if (rec := logged_eval(str(metrics_path), trainer.step)) is not None:
+            trainer.history.append({k: rec[k] for k in ("kind", "step", "val_loss", "val_bpb")})
+            last_eval = trainer.step
     try:
         while trainer.step < cfg.max_steps:
             if tuner is not None:
@@ -552,7 +561,8 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
             emit("step", rec)
             if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-            if cfg.eval_every and step % cfg.eval_every == 0:
+            # the last step evaluates before it saves, so a finished run's checkpoint holds its final eval
+            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps:
                 evaluate()
                 last_eval = step
             if cfg.save_every and step % cfg.save_every == 0:
