@@ -266,6 +266,9 @@ def test_max_model_len_and_input_errors(model64, tok):
     eng.step()
     with pytest.raises(ValueError, match="needs a tokenizer"):
         Engine(model64).add_request("hello")
+    for bad in (0, -3):  # not "the model's default" (None is)
+        with pytest.raises(ValueError, match=f"max_model_len must be >= 1.*got {bad}"):
+            Engine(model64, tok, max_model_len=bad)
 
 
 def test_text_prompts_and_streaming_deltas(model64, tok):

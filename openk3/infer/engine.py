@@ -119,10 +119,12 @@ class Engine:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         if prefix_cache < 0:
             raise ValueError(f"prefix_cache must be >= 0 (0 = off), got {prefix_cache}")
+        if max_model_len is not None and max_model_len < 1:  # 0 is not "the default": None is
+            raise ValueError(f"max_model_len must be >= 1 (or None for the model's), got {max_model_len}")
         self.model = model.eval()
         self.tok = tokenizer
         self.cfg = model.config
-        self.max_model_len = max_model_len or self.cfg.max_position_embeddings
+        self.max_model_len = self.cfg.max_position_embeddings if max_model_len is None else max_model_len
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.device = next(model.parameters()).device
         self.slots = SlotCache(model, max_num_seqs)
