@@ -195,7 +195,7 @@ def test_message_and_tool_shapes_are_400s_naming_the_field(server):
     assert chat(url, {"messages": user("q"), "tools": fine}).status_code == 200
     # What the renderer refuses is a 400 with its message (arguments that are JSON but not an object)
     err = envelope(chat(url, {"messages": [*user("q"), {"role": "assistant", "tool_calls": [_call(arguments="[1]")]}]}),
-                   400, param="messages[1]")
+                   400, param="messages[1].tool_calls[0]")
     assert "arguments must be a JSON object" in err["message"]
 
 

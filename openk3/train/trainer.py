@@ -30,7 +30,6 @@ run will write (`keep_checkpoints` bounds them) and the token cache, estimated f
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
@@ -53,6 +52,7 @@ from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, mfu, p
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
 from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids  # noqa: F401
+from openk3.train.samples import val_samples
 from openk3.train.schedule import LRSchedule
 from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, checkpoints_to_fit, planned_saves
 from openk3.train.state import (
@@ -329,36 +329,6 @@ class _NoLog:
         pass
 
 
-@torch.no_grad()
-def generate(model: nn.Module, prompt: list[int], n: int, *, temperature: float = 0.0,
-             generator: torch.Generator | None = None, device: torch.device | str = "cpu",
-             banned: list[int] | None = None, stop: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """Greedy (temperature 0) or sampled continuation with the decode cache; returns the new ids
-    (ending at the first id in `stop`). `banned` ids are never produced."""
-    was = model.training
-    model.eval()
-    try:
-        cache = model.new_cache()
-        logits = model(torch.tensor([prompt], device=device), cache=cache)
-        out = []
-        for _ in range(n):
-            last = logits[0, -1].float()
-            if banned:
-                last[banned] = float("-inf")
-            if temperature > 0:
-                probs = torch.softmax(last / temperature, dim=-1).cpu()
-                nxt = int(torch.multinomial(probs, 1, generator=generator))
-            else:
-                nxt = int(last.argmax())
-            out.append(nxt)
-            if nxt in stop:
-                break
-            logits = model(torch.tensor([[nxt]], device=device), cache=cache)
-        return out
-    finally:
-        model.train(was)
-
-
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
           allow_config_change: bool = False, on_event: EventHook | None = None) -> dict:
     """Train (or resume) the run in `out_dir`; returns a summary dict (see the module docstring).
@@ -591,18 +561,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     # different tokens would run different numbers of them and hang)
     sampler = gathered_model(model, mesh, empty_copy, trainer.pipeline) if cfg.samples and mesh.distributed else model
     if cfg.samples and main:
-        gen = torch.Generator().manual_seed(cfg.seed)
-        n_docs = ds.val.num_docs
-        stop = set(tok.stop_ids)
-        banned = sorted(set(tok.special_ids.values()) - stop)  # untrained reserved ids: noise in a sample
         with autocast_context(cfg.dtype, device):
-            for i in range(cfg.samples):
-                doc = [int(t) for t in ds.val.document(i % n_docs)]
-                prompt = doc[: max(1, min(16, len(doc) - 1))]
-                temp = 0.0 if i == 0 else 0.8
-                new = generate(sampler, prompt, cfg.sample_tokens, temperature=temp, generator=gen, device=device,
-                               banned=banned, stop=stop)
-                text = {"temperature": temp, "prompt": tok.decode(prompt), "completion": tok.decode(new)}
-                summary["samples"].append(text)
-                say(f"sample (T={temp}): {json.dumps(text['prompt'])} -> {json.dumps(text['completion'])}")
+            summary["samples"] = val_samples(sampler, tok, ds.val, cfg.samples, cfg.sample_tokens, seed=cfg.seed,
+                                             device=device, say=say)
     return summary
