@@ -21,9 +21,10 @@ def test_bench_mxfp4_decode_runs(tmp_path):
     import bench_mxfp4_decode
 
     out = bench_mxfp4_decode.main(["--presets", "nano", "--tokens", "1", "3", "--layers", "1", "--repeats", "1",
-                                   "--json", str(tmp_path / "r.json")])
+                                   "--forms", "--json", str(tmp_path / "r.json")])
     rows = out["rows"]
     assert [r["tokens"] for r in rows] == [1, 3] and all(r["relative_error"] < 1e-5 for r in rows)
+    assert all("portable" in r["vs_forms"] for r in rows)  # the other forms ran (and agreed: checked inside)
     assert (tmp_path / "r.json").exists()
     assert rows[0]["packed_bytes_per_layer"] == 32 * 3 * 64 * 64 * 17 // 32  # 4.25 bits per weight
 
