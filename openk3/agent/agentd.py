@@ -19,9 +19,9 @@ group, started in the recorded cwd with the recorded exported environment; an EX
 `$PWD` and the exported variables and functions to a private pipe, with shell builtins only (an external
 `env` could not even start once one variable is too big to pass to a program). So `cd` and `export` carry
 over between calls, and the state is plain data that a snapshot can store. What cannot be carried (a
-variable past Linux's per-string limit, an environment past ENV_CAP, a cwd past PATH_MAX) is named in the
-reply's `notice`, never dropped silently. Anything still running when the command returns (daemons, `&`
-jobs) is killed before the reply: nothing outlives its call.
+variable past Linux's per-string limit, an environment past ENV_CAP, an exported array, a cwd past
+PATH_MAX) is named in the reply's `notice`, never dropped silently. Anything still running when the command
+returns (daemons, `&` jobs) is killed before the reply: nothing outlives its call.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ PATH_CAP = 4095  # PATH_MAX less its NUL: a deeper cwd cannot be entered by name
 
 # The EXIT trap runs however the command ends (exit N, end of script, set -e): it reports where the shell
 # stands, NUL-separated: $PWD, NAME=value per exported variable, BASH_FUNC_name%%=() {...} per exported
-# function (env's form). Builtins only, so no exec can fail on a huge variable, and one fork for the names
-# (each call pays for it); `|| :` keeps set -e from cutting it short. @STATE@ is the state pipe: the command
+# function (env's form), @NAME per exported array (no program can receive one: it is named, not carried).
+# Builtins only, so no exec can fail on a huge variable, and one fork for the names (each call pays for it);
+# `|| :` keeps set -e from cutting it short. @STATE@ is the state pipe: the command
 # inherits it and may write its own state there, which is harmless (it could `cd` and `export` anyway). The
 # command itself is read from the memfd @COMMAND@ (by `read`: `$(< file)` would fork), not passed as an
 # argument: Linux refuses to start a program with an argument over 128 KiB.
@@ -64,6 +65,7 @@ _WRAPPER = (
     r"""[[ ${__openk3_f%% *} == *x* ]] || continue; """
     r"""__openk3_d=$(builtin declare -f -- "$__openk3_n"); """
     r"""builtin printf 'BASH_FUNC_%s%%%%=() %s\0' "$__openk3_n" "${__openk3_d#*$'\n'}"; """
+    r"""elif [[ ${!__openk3_n@a} == *[aA]* ]]; then builtin printf '@%s\0' "$__openk3_n"; """  # an array
     r"""elif [[ -v $__openk3_n ]]; then builtin printf '%s=%s\0' "$__openk3_n" "${!__openk3_n}"; fi; """
     r"""done; }; """
     r"""trap '__openk3_rc=$?; { __openk3_state; } >&@STATE@ 2>/dev/null || :; exit $__openk3_rc' EXIT; """
@@ -225,8 +227,8 @@ class ShellState:
         self.cwd: str | None = None
         self.env: dict[str, str] = {}
         self.size = 0  # bytes of the kept variables, each with its NUL
-        self.dropped = {"big": [], "total": [], "count": []}  # reason -> the first 5 (name, bytes) it dropped
-        self.dropped_count = {"big": 0, "total": 0, "count": 0}
+        self.dropped = {"big": [], "total": [], "count": [], "array": []}  # reason -> the first 5 it dropped
+        self.dropped_count = dict.fromkeys(self.dropped, 0)
         self.notices: list[str] = []
         self._item, self._len = bytearray(), 0
 
@@ -254,32 +256,41 @@ class ShellState:
             return
         name, eq, value = item.partition(b"=")
         if not eq and size <= VAR_CAP:
-            return  # not a variable (the command wrote to the state pipe itself)
-        key = name[:200].decode("utf-8", "replace")
+            if name.startswith(b"@") and len(name) > 1:
+                self._drop("array", name[1:].decode("utf-8", "replace"), None)
+            return  # else not a variable (the command wrote to the state pipe itself)
+        key = name.decode("utf-8", "replace")  # whole: a name is carried as it is or not at all
         if key in ("PWD", "OLDPWD", "SHLVL", "_"):
             return
         reason = "big" if size > VAR_CAP else "count" if len(self.env) >= ENV_COUNT_CAP else (
             "total" if self.size + size + 1 > ENV_CAP else None)
         if reason is not None:
-            self.dropped_count[reason] += 1
-            if len(self.dropped[reason]) < 5:
-                self.dropped[reason].append((key, size))
+            self._drop(reason, key, size)
             return
         self.env[key] = value.decode("utf-8", "replace")
         self.size += size + 1
+
+    def _drop(self, reason: str, key: str, size: int | None) -> None:
+        self.dropped_count[reason] += 1
+        if len(self.dropped[reason]) < 5:
+            short = key if len(key) <= 60 else f"{key[:28]}...{key[-28:]} ({len(key)} characters)"
+            self.dropped[reason].append(short if size is None else f"{short} ({size} bytes)")
 
     def finish(self) -> None:
         """Turn what was dropped into notices (called once the pipe is at EOF)."""
         why = {"big": f"one NAME=value may be at most {VAR_CAP} bytes (Linux's MAX_ARG_STRLEN: no program "
                       "starts with a longer one); keep large data in a file",
                "total": f"the exported environment may total at most {ENV_CAP} bytes",
-               "count": f"at most {ENV_COUNT_CAP} exported variables are kept"}
+               "count": f"at most {ENV_COUNT_CAP} exported variables are kept",
+               "array": "bash passes no array to a program (the environment holds strings): declare it in each "
+                        "call, or keep it in a file"}
         for reason, items in self.dropped.items():
             if items:
-                names = ", ".join(f"{k} ({n} bytes)" for k, n in items)
                 left = self.dropped_count[reason] - len(items)
                 more = f" and {left} more" if left else ""
-                self.notices.append(f"not kept for the next call: exported variable {names}{more}: {why[reason]}")
+                what = "array" if reason == "array" else "variable"
+                self.notices.append(f"not kept for the next call: exported {what} {', '.join(items)}{more}: "
+                                    f"{why[reason]}")
 
 
 def _signal_group(pgid: int, sig: int) -> None:

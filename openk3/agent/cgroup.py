@@ -16,11 +16,14 @@ from __future__ import annotations
 import os
 import time
 
-from .proc import alive, start_time
+from .proc import owner_gone, pid_ns, start_time
 
 ROOT = "/sys/fs/cgroup"
 GROUP = "openk3"
-PREFIX = "sb-"  # sb-<host pid>-<its start time>-<sandbox id>: the owner, so leftovers can be told apart
+# sb-<PID namespace>-<host pid>-<its start time>-<sandbox id>: the owner, so that leftovers can be told apart.
+# The namespace matters: hosts in containers (or under `unshare -p`) share one cgroup hierarchy, and a pid
+# of another namespace is absent from ours or names another process.
+PREFIX = "sb-"
 
 
 def _writable(path: str) -> bool:
@@ -43,23 +46,27 @@ def _layout() -> list[tuple[str, dict[str, str]]] | None:
 
 def group_name(sandbox_id: str) -> str:
     """This process's name for a sandbox's group."""
-    return f"{PREFIX}{os.getpid()}-{start_time(os.getpid())}-{sandbox_id}"
+    return f"{PREFIX}{pid_ns() or 0}-{os.getpid()}-{start_time(os.getpid())}-{sandbox_id}"
 
 
-def _owner(name: str) -> tuple[int, str | None] | None:
-    """(pid, start time) of the host process that made the group `name`; start time None for the names
-    before it was recorded (sb-<pid>-<id>); None for a group that is not a sandbox's."""
+def _owner(name: str) -> tuple[str | None, int, str | None] | None:
+    """(PID namespace, pid, start time) of the host process that made the group `name`; the namespace None
+    for the names before it was recorded (sb-<pid>-<start>-<id>), and the start time too for the oldest
+    (sb-<pid>-<id>); None for a group that is not a sandbox's."""
     parts = name.split("-")
-    if not name.startswith(PREFIX) or len(parts) not in (3, 4) or not parts[1].isdigit():
+    if not name.startswith(PREFIX) or len(parts) not in (3, 4, 5) or not all(p.isdigit() for p in parts[1:-1]):
         return None
-    return int(parts[1]), (parts[2] if len(parts) == 4 else None)
+    if len(parts) == 5:
+        return parts[1], int(parts[2]), parts[3]
+    return None, int(parts[1]), (parts[2] if len(parts) == 4 else None)
 
 
 def reclaim_stale() -> int:
     """Remove the groups of sandboxes whose host process is gone: a host killed with SIGKILL cannot remove
-    its own (its sandboxes die with it, through --pdeathsig, and leave their groups empty). A group of a
-    live host is never touched, even between incarnations when it has no tasks; a group that still has
-    tasks (processes still dying) refuses rmdir and is taken by a later call. Returns how many went."""
+    its own (its sandboxes die with it, through --pdeathsig, and leave their groups empty). Only groups of
+    this PID namespace are judged (`owner_gone`); a group of a live host is never touched, even between
+    incarnations when it has no tasks; a group that still has tasks (processes still dying) refuses rmdir
+    and is taken by a later call. Returns how many went."""
     layout = _layout()
     removed = 0
     for parent, _ in layout or []:
@@ -70,7 +77,7 @@ def reclaim_stale() -> int:
             continue
         for name in names:
             owner = _owner(name)
-            if owner is None or alive(*owner):
+            if owner is None or not owner_gone(*owner):
                 continue
             try:
                 os.rmdir(os.path.join(base, name))
@@ -112,6 +119,10 @@ class Cgroup:
             cls(dirs, []).remove()
             return None
         return cls(dirs, [os.path.join(d, "cgroup.procs") for d in dirs])
+
+    def intact(self) -> bool:
+        """Whether every group is still there (a host that misjudged us may have removed one)."""
+        return all(os.path.isdir(d) for d in self.dirs)
 
     def remove(self) -> None:
         """rmdir the groups once their processes are gone (a dying process can hold one for a moment)."""

@@ -13,6 +13,12 @@ sandbox's own user and mount namespaces, as that namespace's root, with
 
     /usr/bin/python3 -I -S fstree.py copy SRC DST     # stdout: the problems, one a line; exit 1: no copy
 
+Exit status 0: copied (the problems named); 3: the host failed (HOST_FAILED: its disk is full, or it
+fails to read or write); 1: no copy for any other reason (the tree moved under the walk, no memory).
+Hard links cost O(1) each whatever the depth: the first copy of a multi-link file is also linked into a
+staging folder at the top of the destination, named by the source's (device, inode), and every later name
+is linked from there; the folder goes when the copy ends.
+
 It imports nothing beyond the interpreter's own modules (not even json): on a loaded machine each import
 is milliseconds on every snapshot.
 """
@@ -27,6 +33,10 @@ import sys
 # A failure of the host itself (its disk is full, its file table too): the copy cannot be trusted, the
 # caller keeps the previous one. Any other error is about one entry and becomes a problem naming it.
 HOST_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EROFS}
+# Of those, the failures of the host's disk: only these make the caller raise (exit status HOST_FAILED). Memory
+# and file-table exhaustion can be the copier's own rlimits, which a hostile tree can reach.
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
+HOST_FAILED = 3
 MAX_PROBLEMS = 20  # problems named one by one; the rest are counted
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -53,14 +63,31 @@ def _up(fd: int, parent: tuple[int, int]) -> int:
     return up
 
 
+def printable(text: str) -> str:
+    """`text` safe for one line of a log: every character that is not printable (newline, carriage return,
+    ESC, bidi overrides, ...) escaped as `repr` would, and undecodable bytes (surrogateescape) as \\xNN.
+    Sandboxed code chooses file and variable names: none may forge a log line or drive a terminal. A
+    backslash stays as it is, so that text escaped once is left alone by a second pass."""
+    if text.isprintable():
+        return text
+    out = []
+    for c in text:
+        if c.isprintable():
+            out.append(c)
+        elif "\udc80" <= c <= "\udcff":  # a byte that was not UTF-8
+            out.append(f"\\x{ord(c) - 0xDC00:02x}")
+        else:
+            out.append(repr(c)[1:-1])
+    return "".join(out)
+
+
 def show(parts: list[str]) -> str:
-    """A path for a message, on one line: long paths and names shortened, undecodable bytes and newlines
-    escaped."""
+    """A path for a message, on one line: long paths and names shortened, control characters and
+    undecodable bytes escaped (`printable`)."""
     if len(parts) > 6:
         parts = [*parts[:2], f"...({len(parts) - 4} more folders)...", *parts[-2:]]
     parts = [p if len(p) <= 60 else f"{p[:28]}...{p[-28:]}" for p in parts]
-    text = "/".join(parts).encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    return text.replace("\n", "\\n")
+    return printable("/".join(parts))
 
 
 class _Copy:
@@ -68,8 +95,9 @@ class _Copy:
 
     def __init__(self, src: int, dst: int) -> None:
         self.src, self.dst = src, dst  # the current folder on each side (owned: closed by `run`)
-        self.dst_root = os.dup(dst)
-        self.links: dict[tuple[int, int], list[str]] = {}  # (dev, ino) -> path of its first copy
+        self.src_root, self.dst_root = os.dup(src), os.dup(dst)
+        self.links: set[tuple[int, int]] = set()  # (dev, ino) of the multi-link files in the staging folder
+        self.stage: tuple[str, int] | None = None  # name and fd of the staging folder, once one is needed
         self.path: list[str] = []  # folder names from the root down to the current folder
         self.problems: list[str] = []
         self.count = 0
@@ -86,7 +114,12 @@ class _Copy:
         try:
             self.walk()
         finally:
-            for fd in {self.src, self.dst, self.dst_root}:
+            if self.stage is not None:  # a failed copy: the caller drops it, but leave no staging folder
+                try:
+                    self.drop_stage()
+                except OSError:
+                    pass
+            for fd in {self.src, self.dst, self.src_root, self.dst_root}:
                 os.close(fd)
         if self.count > len(self.problems):
             self.problems.append(f"... and {self.count - len(self.problems)} more")
@@ -114,6 +147,8 @@ class _Copy:
                 continue
             levels.pop()
             if not levels:
+                if self.stage is not None:
+                    self.drop_stage()  # before the top folder's times are set: removing it changes them
                 self.attrs(self.dst, st)
                 return
             # up first, while the folder may still deny its own search bit; then its attributes, after its
@@ -152,7 +187,7 @@ class _Copy:
             return s, d, st
         key = (st.st_dev, st.st_ino)
         if st.st_nlink > 1 and key in self.links:  # another name of a file copied before
-            self.link(self.links[key], name)
+            os.link(_stage_name(key), name, src_dir_fd=self.stage[1], dst_dir_fd=self.dst, follow_symlinks=False)
             return None
         if stat.S_ISREG(mode):
             self.file(name, st)
@@ -164,7 +199,7 @@ class _Copy:
                 os.chmod(name, _safe_mode(mode), dir_fd=self.dst)  # just made here: not a symlink
             os.utime(name, ns=(st.st_atime_ns, st.st_mtime_ns), dir_fd=self.dst, follow_symlinks=False)
         if st.st_nlink > 1:
-            self.links[key] = [*self.path, name]
+            self.keep_link(name, key)
         return None
 
     def file(self, name: str, st: os.stat_result) -> None:
@@ -184,19 +219,40 @@ class _Copy:
         finally:
             os.close(i)
 
-    def link(self, first: list[str], name: str) -> None:
-        """A second name of a file copied before: link it to that copy (found again from the root)."""
-        fd = self.dst_root
+    def keep_link(self, name: str, key: tuple[int, int]) -> None:
+        """Link the first copy of a multi-link file into the staging folder, where its later names find it."""
+        if self.stage is None:
+            self.stage = self.make_stage()
         try:
-            for part in first[:-1]:
-                nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-                if fd != self.dst_root:
-                    os.close(fd)
-                fd = nxt
-            os.link(first[-1], name, src_dir_fd=fd, dst_dir_fd=self.dst, follow_symlinks=False)
+            os.link(name, _stage_name(key), src_dir_fd=self.dst, dst_dir_fd=self.stage[1], follow_symlinks=False)
+        except OSError as e:  # too many links (EMLINK): its later names become copies
+            self.note(name, "hard links not kept (later names are copies)", e)
+            return
+        self.links.add(key)
+
+    def make_stage(self) -> tuple[str, int]:
+        """A new folder at the top of the destination, under a random name the source does not hold."""
+        while True:
+            name = f".fstree-links-{os.urandom(8).hex()}"
+            try:
+                os.stat(name, dir_fd=self.src_root, follow_symlinks=False)
+                continue
+            except OSError:
+                pass
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.dst_root)
+            except FileExistsError:
+                continue
+            return name, _open_dir(name, self.dst_root)
+
+    def drop_stage(self) -> None:
+        name, fd = self.stage
+        self.stage = None
+        try:
+            _empty(fd)
         finally:
-            if fd != self.dst_root:
-                os.close(fd)
+            os.close(fd)
+        os.rmdir(name, dir_fd=self.dst_root)
 
     def xattrs(self, i: int, o: int, name: str | None) -> None:
         """Extended attributes (overlay's opaque-folder marks among them) of a file or folder: only those
@@ -221,6 +277,10 @@ class _Copy:
             os.fchown(fd, st.st_uid, st.st_gid)
         os.fchmod(fd, _safe_mode(st.st_mode))
         os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _stage_name(key: tuple[int, int]) -> str:
+    return f"{key[0]}-{key[1]}"
 
 
 def _safe_mode(mode: int) -> int:
@@ -372,6 +432,9 @@ def main(argv: list[str]) -> int:
     except OSError as e:
         print(f"{e.strerror or e} ({show([e.filename]) if isinstance(e.filename, str) else 'copying'})",
               file=sys.stderr)
+        return HOST_FAILED if e.errno in DISK_ERRORS else 1
+    except MemoryError:
+        print("out of memory (the copier's address-space limit)", file=sys.stderr)
         return 1
     for problem in problems:
         print(problem)

@@ -31,11 +31,12 @@ import stat
 import threading
 
 from .fstree import remove_tree
-from .proc import alive, start_time
+from .proc import owner_gone, pid_ns, start_time
 
 MAX_LAYERS = 48  # deeper stacks are refused with a clear message (overlay lookups slow down with depth)
 MAX_LOWERDIR = 3000  # bytes of the lowerdir option: the whole mount option string must fit in one 4 KiB page
-OWNER_FILE = "owner"  # "<host pid> <its start time>": a store whose owner is gone is removed at start-up
+# "<host pid> <its start time> <its PID namespace>": a store whose owner is gone is removed at start-up
+OWNER_FILE = "owner"
 
 
 def new_id() -> str:
@@ -73,8 +74,10 @@ class LayerStore:
             self._chown(os.path.join(root, sub))
         os.chmod(root, 0o711)
         self._chown(root)
-        with open(os.path.join(root, OWNER_FILE), "w") as f:
-            f.write(f"{os.getpid()} {start_time(os.getpid())}")
+        tmp = os.path.join(root, OWNER_FILE + ".tmp")
+        with open(tmp, "w") as f:  # whole or absent: a partial record could read as an older, shorter one
+            f.write(f"{os.getpid()} {start_time(os.getpid())} {pid_ns() or 0}")
+        os.replace(tmp, os.path.join(root, OWNER_FILE))
 
     # ---- reference counting -----------------------------------------------------------------------
 
@@ -213,7 +216,9 @@ def _no_symlink_on_the_way(root: str, dest: str, rel: str) -> None:
 
 def remove_stale_stores(parent: str) -> int:
     """Remove `openk3-sb-*` stores whose owning process is gone (a host killed with SIGKILL cannot clean up;
-    its sandboxes died with it, through --pdeathsig). Returns how many were removed."""
+    its sandboxes died with it, through --pdeathsig). Only stores of this PID namespace are judged: a host
+    in another one (a container sharing /tmp) may be alive under a pid that is free here (`owner_gone`).
+    Returns how many were removed."""
     removed = 0
     try:
         names = [n for n in os.listdir(parent) if n.startswith("openk3-sb-")]
@@ -223,14 +228,15 @@ def remove_stale_stores(parent: str) -> int:
         root = os.path.join(parent, name)
         try:
             with open(os.path.join(root, OWNER_FILE)) as f:
-                pid_s, start = f.read().split()
+                pid_s, start, *ns = f.read().split()  # no namespace: written before it was recorded
             st = os.lstat(root)
+            owner = (ns[0] if len(ns) == 1 else None, int(pid_s), start)
         except (OSError, ValueError):
             continue  # not ours, or still being created
         if st.st_uid not in (os.getuid(), 65534) and os.getuid() != 0:
             continue
-        if alive(int(pid_s), start):
-            continue  # its owner still runs
+        if not owner_gone(*owner):
+            continue  # its owner still runs, or runs where we cannot tell
         rmtree(root)
         removed += 1
     return removed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import queue
 import selectors
+import signal
 import subprocess
 import threading
 import time
@@ -18,19 +19,30 @@ REPLY_CAP = 16 << 20  # bytes of one agent reply the host accepts
 # The holder: mounts the workspace (a size-capped tmpfs upper over the sealed layers) in the private mount
 # namespace `unshare` made, runs bwrap, and then stays alive holding that namespace, with our pipe closed,
 # until the host has copied the upper out and kills it. The saved upper comes back with fstree.py (any depth;
-# `cp -a` names files by full path and stops at PATH_MAX). Arguments:
+# `cp -a` names files by full path and stops at PATH_MAX). Before bwrap starts, the holder greets the host on
+# the pipe with one line (nothing sandboxed runs yet, so nothing else can write it): READY and what the
+# restore could not bring back, tab-separated, once the workspace is whole and mounted; or RESTORE_FAILED
+# and why, and it exits. Only a workspace that was greeted READY is ever saved over `saved`: a half-restored
+# one (a slow restore the host gave up on) never replaces the files it was restoring. Arguments:
 # bytes inodes tmpfs saved lowerdir mnt python fstree.py -- bwrap...
+READY, RESTORE_FAILED = "openk3-holder ready", "openk3-holder restore-failed"
 HOLDER = r"""set -e
 q=$1 n=$2 t=$3 saved=$4 lower=$5 mnt=$6 python=$7 fstree=$8
 shift 9
 mount -t tmpfs -o "size=$q,nr_inodes=$n,mode=0755" openk3-workspace "$t"
 mkdir "$t/up" "$t/wk"
-if [ -d "$saved" ]; then "$python" -I -S "$fstree" copy "$saved" "$t/up" >&2; fi
+p=
+if [ -d "$saved" ] && ! p=$("$python" -I -S "$fstree" copy "$saved" "$t/up" 2>&1); then
+  printf '%s\t%s\n' '@FAILED@' "$(printf '%s' "$p" | tr '\n\t' '\t ')"
+  exit 1
+fi
 mount -t overlay overlay -o "userxattr,lowerdir=$lower,upperdir=$t/up,workdir=$t/wk" "$mnt"
+if [ -n "$p" ]; then p=$(printf '%s' "$p" | tr '\n\t' '\t '); fi
+printf '%s\t%s\n' '@READY@' "$p"
 set +e
 "$@"
 exec sleep infinity </dev/null >/dev/null 2>&1
-"""
+""".replace("@READY@", READY).replace("@FAILED@", RESTORE_FAILED)
 
 
 class _Spawner:
@@ -86,12 +98,61 @@ def alive(pid: int, start: str | None) -> bool:
     return os.path.exists(f"/proc/{pid}") and (start is None or start_time(pid) == start)
 
 
+def pid_ns() -> str:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), "" where /proc cannot tell: a pid
+    and a start time name a process only within one PID namespace, and only through a /proc of that
+    namespace (so "" also where /proc belongs to another one)."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return ""
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return ""
+
+
+def owner_gone(ns: str | None, pid: int, start: str | None) -> bool:
+    """Whether the host process (`pid`, `start`) of PID namespace `ns` has certainly ended: never for
+    another namespace's (its pids mean nothing here), nor where ours is unknown. `ns` None: a record from
+    before namespaces were recorded, taken as ours."""
+    mine = pid_ns()
+    return bool(mine) and (ns is None or ns == mine) and not alive(pid, start)
+
+
 def children(pid: int) -> list[int]:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(x) for x in f.read().split()]
     except OSError:
         return []
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (zombies left out: they hold nothing but their exit status)."""
+    found, todo = [], children(pid)
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    continue
+        except (OSError, IndexError):
+            continue
+        found.append(p)
+        todo += children(p)
+    return found
+
+
+def kill_descendants(pid: int, wait: float) -> bool:
+    """SIGKILL every process below `pid` (not `pid` itself) until none is left; False if some outlive `wait`
+    seconds (a process stuck in the kernel)."""
+    deadline = time.monotonic() + wait
+    while found := descendants(pid):
+        if time.monotonic() > deadline:
+            return False
+        for p in found:
+            signal_pid(p, signal.SIGKILL)
+        time.sleep(0.005)
+    return True
 
 
 def signal_pid(pid: int, sig: int) -> None:
@@ -101,30 +162,61 @@ def signal_pid(pid: int, sig: int) -> None:
         pass
 
 
-def drain_to_eof(stream, wait: float) -> None:
+def drain_to_eof(stream, wait: float) -> bool:
+    """Read and drop what comes until EOF (True) or for `wait` seconds (False: a writer is still alive)."""
     deadline = time.monotonic() + wait
     fd = stream.fileno()
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
             if sel.select(timeout=left) and not os.read(fd, 1 << 16):
-                return
+                return True
+    return False
 
 
 def kill(proc: subprocess.Popen) -> None:
+    """End the holder and everything under it. Its children first, while it is stopped: killed first, it
+    would leave them (a restore's copier) running, reparented out of reach."""
+    if proc.poll() is None:
+        signal_pid(proc.pid, signal.SIGSTOP)
+        kill_descendants(proc.pid, 5.0)
     try:
         proc.kill()
     except ProcessLookupError:
         pass
-    for stream in (proc.stdin, proc.stdout):
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
         try:
-            stream.close()
+            if stream is not None:
+                stream.close()
         except OSError:
             pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def run_bounded(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess | None:
+    """Run `argv` in its own process group with output captured; None when it ran past `timeout` seconds
+    (the whole group is then killed: nothing it started keeps running)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            start_new_session=True)
+    done = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        done = True
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        if not done:  # timed out, or interrupted (Ctrl-C): the copier goes with its whole group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            kill(proc)
+    if not done:
+        return None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 def read_line(stream, wait: float) -> bytes | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,22 +43,18 @@ import time
 import weakref
 from dataclasses import dataclass, fields, replace
 
+from . import upper
 from .cgroup import Cgroup, group_name
+from .fstree import printable
 from .layers import MAX_LAYERS, MAX_LOWERDIR, LayerStore, new_id, remove_stale_stores, rmtree
-from .proc import HOLDER, children, drain_to_eof, kill, read_line, signal_pid, spawn
+from .proc import HOLDER, children, descendants, drain_to_eof, kill, kill_descendants, read_line, signal_pid, spawn
+from .upper import AGENT_DIR, FSTREE, PYTHON
 
-AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 AGENT_FILES = ("agentd.py", "toolbox.py", "toolbox_apps.py")  # bound read-only at /opt/openk3 inside
-FSTREE = os.path.join(AGENT_DIR, "fstree.py")  # copies uppers in and out, inside the holder's namespaces
-PYTHON = "/usr/bin/python3"  # the system interpreter: the only one inside the sandbox's /usr view
 NOTICE_CAP = 2000  # characters of one notice the agent's reply may carry
-# The fast copy of an upper, set-id bits dropped after it. It declines (exit status != 0, and fstree.py copies
-# instead) a tree more than 256 folders deep, where cp's full-path lookups cost O(depth^2) (26 s of host CPU
-# at 2,100 levels, where fstree takes 0.5 s); it fails past PATH_MAX; and xattr is named, not implied by -a,
-# so that an attribute the host's file system refuses fails the copy instead of vanishing.
-CP_UPPER = ('[ -z "$(find "$1" -mindepth 256 -print -quit)" ] && '
-            'cp -dR --preserve=mode,ownership,timestamps,links,xattr -- "$1" "$2" && '
-            'find "$2" -perm /6000 ! -type l -exec chmod ug-s {} +')
+# What an exported name may be: a shell identifier, or env's form of an exported function (bash imports
+# any function name without a slash)
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|BASH_FUNC_[^\x00-\x20\x7f/=]+%%")
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/workspace", "LANG": "C.UTF-8", "TERM": "dumb",
             "USER": "agent", "LOGNAME": "agent"}
 log = logging.getLogger(__name__)
@@ -76,7 +73,8 @@ class Limits:
     """Per-sandbox limits. rlimits apply to every process inside (`memory_bytes` bounds each one's address
     space); where the host lets us create cgroups (root), `max_processes` and `total_memory_bytes` bound the
     whole sandbox, else `max_processes` is RLIMIT_NPROC, which all sandboxes of one uid share. `timeout` is the
-    default wall clock of one `run`."""
+    default wall clock of one `run`; `copy_timeout` bounds one copy of the live workspace to disk or back (and
+    the copier's CPU seconds): past it the copy is abandoned, the last saved state kept, and a notice says so."""
 
     timeout: float = 60.0
     max_timeout: float = 3600.0
@@ -89,11 +87,12 @@ class Limits:
     tmp_bytes: int = 64 << 20
     workspace_bytes: int = 512 << 20  # the live delta of /workspace (a tmpfs: ENOSPC beyond it)
     workspace_inodes: int = 100_000
+    copy_timeout: float = 300.0
 
     def validate(self) -> Limits:
         for f in fields(self):
             v = getattr(self, f.name)
-            kinds = (int, float) if f.name in ("timeout", "max_timeout") else (int,)
+            kinds = (int, float) if f.name in ("timeout", "max_timeout", "copy_timeout") else (int,)
             if isinstance(v, bool) or not isinstance(v, kinds) or v <= 0:
                 what = "number" if len(kinds) == 2 else "integer"
                 raise ValueError(f"Sandbox limit {f.name} must be a positive {what}, got {v!r}")
@@ -188,6 +187,7 @@ class Sandbox:
         self._probing = _probe
         self._closing = False  # set by close() before it kills anything: no new incarnation may start
         self._notices: list[str] = []  # for the next call's result (also logged when they arise)
+        self._ready = False  # the live incarnation's holder reported its workspace whole: only then is it saved
         self.sandbox_uid = sandbox_uid
         if _parent is not None:
             self.store, snap_id, self.limits = _parent
@@ -250,7 +250,7 @@ class Sandbox:
                                  self._take_notices())
             if isinstance(reply.get("notice"), str):  # what the agent could not carry to the next call
                 self._notice(reply["notice"][:NOTICE_CAP])
-            self.cwd, self.env = reply["cwd"], reply["env"]
+            self.cwd, self.env = reply["cwd"], self._checked_env(reply["env"])
             return RunResult(reply["exit_code"], reply["stdout"], reply["stderr"], reply["timed_out"],
                              float(reply["duration"]), bool(reply.get("truncated")), None, self._take_notices())
 
@@ -344,10 +344,13 @@ class Sandbox:
         etc = self._etc_stubs()
         lim = self.limits
         argv: list[str] = []
-        if self._proc_box[1] is None and os.getuid() == 0:
-            self._proc_box[1] = Cgroup.create(group_name(self.id), pids_max=lim.max_processes,
-                                              memory_max=lim.total_memory_bytes)
         cgroup = self._proc_box[1]
+        # made at the first start, and again where it went (another host, misjudging us, removed it)
+        if os.getuid() == 0 and (cgroup is None or not cgroup.intact()):
+            if cgroup is not None:
+                cgroup.remove()
+            cgroup = self._proc_box[1] = Cgroup.create(group_name(self.id), pids_max=lim.max_processes,
+                                                       memory_max=lim.total_memory_bytes)
         if cgroup is not None:  # join the sandbox's cgroups first, while still root, then exec the rest
             argv += ["/bin/sh", "-c", 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 1; shift; done; shift; '
                      'exec "$@"', "sh", *cgroup.procs_files, "--"]
@@ -401,6 +404,7 @@ class Sandbox:
             finally:
                 os.close(sfd)
         self._proc_box[0] = self._proc
+        self._ready = False
         self._log_path = log_path
 
     def _etc_stubs(self) -> str:
@@ -417,62 +421,71 @@ class Sandbox:
 
     def _stop(self, save: bool = True) -> None:
         """End the current incarnation. With `save`, the live upper is first copied out of its tmpfs to disk
-        (`saved`), so the files written since the last snapshot survive into the next incarnation."""
+        (`saved`), so the files written since the last snapshot survive into the next incarnation: only an
+        upper its holder reported whole, and only once nothing sandboxed runs. Whatever cannot be saved is
+        named in a notice and `saved` keeps the last good state; only the host's own disk failing raises."""
         proc, self._proc = self._proc, None
         self._proc_box[0] = None
+        ready, self._ready = self._ready, False
         if proc is None:
             return
         try:
-            if proc.poll() is None:
-                # Killing the agent (pid 1 of the sandbox's PID namespace) takes every process inside with it;
-                # bwrap then exits and the holder, left alone, closes our pipe: EOF = nothing inside runs.
-                for pid in children(proc.pid):
-                    for agent in children(pid):
-                        signal_pid(agent, 9)
-                drain_to_eof(proc.stdout, 10.0)
-                if save and proc.poll() is None:
-                    self._save_upper(proc.pid)
+            if save and ready:
+                self._save_live(proc)
         finally:
             kill(proc)  # whatever happened above, nothing of this incarnation outlives it
 
-    def _save_upper(self, holder: int) -> None:
-        """Copy the holder's tmpfs upper (whiteouts and opaque-dir xattrs included) to `saved`, atomically.
-        The copy runs inside the holder's user and mount namespaces (nsenter), as the namespace's root: it
-        reads files the sandboxed code made unreadable (chmod 000) even when the host is an ordinary user, and
-        writes them owned by the sandbox's uid. Set-user/group-id bits are dropped: a layer must not hold a
-        setuid binary of the sandbox uid for a local user to run.
-        `cp` first (CP_UPPER: fast, a few ms); where it declines or fails (folders nested past PATH_MAX or
-        deeper than 256, an attribute the host's file system refuses), `fstree.py` copies: it walks by
-        directory fds, so no depth, file kind or name stops it, at the price of a Python start-up, and it names
-        what the host cannot hold in a notice. Only a failure of the host itself (its disk full) raises; the
-        previous `saved` then stays as it was."""
+    def _save_live(self, proc: subprocess.Popen) -> None:
+        lost = "the files written since the last save are lost; the sandbox goes on from the last saved state"
+        if proc.poll() is not None:
+            self._notice(f"the workspace's holder process ended unexpectedly: {lost}")
+        elif not self._end_processes(proc):
+            self._notice(f"the sandbox's processes could not be stopped, so the workspace was not saved: {lost}")
+        else:
+            self._save_upper(proc.pid, lost)
+
+    @staticmethod
+    def _end_processes(proc: subprocess.Popen) -> bool:
+        """Stop everything sandboxed under the holder (which stays: its namespaces are the copy's way in);
+        True once nothing is left. Killing the agent (pid 1 of the sandbox's PID namespace) takes every
+        process inside with it; bwrap then exits and the holder, left alone, closes our pipe: EOF."""
+        for pid in children(proc.pid):
+            for agent in children(pid):
+                signal_pid(agent, 9)
+        if drain_to_eof(proc.stdout, 10.0) and not descendants(proc.pid):
+            return True
+        # no EOF in time (or processes left without the pipe): kill every process below the holder
+        return kill_descendants(proc.pid, 5.0) and drain_to_eof(proc.stdout, 5.0)
+
+    def _save_upper(self, holder: int, lost: str) -> None:
+        """`upper.save`, as the namespace's root of the holder; raises SandboxError only for the host's disk."""
         src = os.path.join(self.store.root, "u", self.id, "t", "up")
         saved = self.store.saved_path(self.id)
-        tmp = saved + ".new"
-        rmtree(tmp)
-        # An ordinary user keeps its credentials (its uid is the namespace's root; setgroups is denied there);
-        # root becomes the namespace's root, i.e. the sandbox uid, so the copies belong to that uid.
-        keep = ["--preserve-credentials"] if os.getuid() != 0 else []
-        nsenter = ["nsenter", f"--target={holder}", "--user", "--mount", *keep, "--"]
-        env = {"PATH": "/usr/bin:/bin"}
-        r = subprocess.run([*nsenter, "/bin/sh", "-c", CP_UPPER, "sh", src, tmp], capture_output=True, env=env)
-        problems: list[str] = []
-        if r.returncode != 0:
-            rmtree(tmp)
-            r = subprocess.run([*nsenter, PYTHON, "-I", "-S", FSTREE, "copy", src, tmp], capture_output=True, env=env)
-            problems = r.stdout.decode("utf-8", "replace").splitlines()
-        if r.returncode != 0:
-            rmtree(tmp)
-            why = r.stderr.decode("utf-8", "replace").strip()[-500:] or f"exit status {r.returncode}"
-            raise SandboxError(f"could not save the sandbox's workspace to {saved}: {why}")
+        try:
+            problems = upper.save(holder, src, saved, self.limits.copy_timeout)
+        except upper.CopyFailed as e:
+            if e.host:
+                raise SandboxError(f"could not save the sandbox's workspace to {saved}: {e}") from None
+            self._notice(f"the workspace could not be saved ({e}): {lost}")
+            return
         if problems:
             self._notice("the workspace was saved without: " + "; ".join(problems))
-        rmtree(saved)
-        os.rename(tmp, saved)
 
     def _notice(self, text: str) -> None:
+        text = printable(text)  # names in it come from sandboxed code: no line of it may forge a log line
         log.warning("sandbox %s: %s", self.id, text)
         self._notices.append(text)
+
+    def _checked_env(self, env: dict[str, str]) -> dict[str, str]:
+        """The exported environment as the agent reported it, less what no shell could take back: names
+        that are not shell identifiers (the state pipe is the command's to write), values with a NUL."""
+        bad = {k for k, v in env.items() if not ENV_NAME.fullmatch(k) or "\0" in v}
+        if bad:
+            names = ", ".join(repr(k[:60]) for k in sorted(bad)[:5]) + (
+                f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            self._notice(f"not kept for the next call: exported name(s) {names}: not a shell identifier "
+                         "(or a value holding a NUL byte)")
+        return {k: v for k, v in env.items() if k not in bad} if bad else env
 
     def _take_notices(self) -> str | None:
         notes, self._notices = self._notices, []
@@ -488,6 +501,9 @@ class Sandbox:
             if self._closing:  # close() began while this incarnation started: it must not outlive close()
                 self._stop(save=False)
                 raise SandboxError("the sandbox is closed")
+            failed = self._greeted()
+            if failed is not None:
+                return failed
         proc = self._proc
         try:
             proc.stdin.write((json.dumps(req) + "\n").encode())
@@ -514,14 +530,49 @@ class Sandbox:
             return self._died(proc, "the sandbox agent sent a malformed reply")
         return reply
 
+    def _greeted(self) -> dict | None:
+        """Wait for the new holder's greeting (`proc.HOLDER`): the workspace is whole and mounted. Restoring
+        the files written since the last snapshot is part of it, so the wait is the copy's, not the call's.
+        None when ready, else the call's error reply (`saved` untouched: this incarnation is never saved)."""
+        proc, wait = self._proc, self.limits.copy_timeout
+        try:
+            line = read_line(proc.stdout, wait)
+        except BaseException:
+            self._stop(save=False)
+            raise
+        kept = "they are kept on disk and the next call restores them again; restore() a snapshot to go on "\
+               "without them"
+        if line is None:
+            self._notice(f"restoring the files written since the last snapshot took longer than {wait:g} s "
+                         f"(Limits.copy_timeout): {kept}")
+            return self._died(proc, f"the sandbox's workspace was not restored within {wait:g} s", timed_out=True)
+        if not line:
+            return self._died(proc, "the sandbox agent died (its process tree was killed from inside, or it "
+                                    "failed to start)")
+        kind, items = upper.read_greeting(line)
+        if kind == "failed":
+            why = "; ".join(items) or "no reason given"
+            self._notice(f"the files written since the last snapshot could not be restored ({why}): {kept}")
+            return self._died(proc, "the sandbox's workspace could not be restored")
+        if kind != "ready":
+            return self._died(proc, "the sandbox's holder sent a malformed greeting")
+        self._ready = True
+        if items:
+            self._notice("the files written since the last snapshot were restored without: " + "; ".join(items))
+        return None
+
     def _died(self, proc: subprocess.Popen, why: str, timed_out: bool = False) -> dict:
         """The agent is gone or untrustworthy: tear the incarnation down, keeping its files (the next call
-        starts afresh)."""
-        self._stop(save=True)
+        starts afresh). Never raises for the sandbox's sake: a save the host's disk refused is a notice here."""
+        try:
+            self._stop(save=True)
+        except SandboxError as e:
+            self._notice(str(e))
         detail = ""
         try:
-            with open(self._log_path, "rb") as f:
-                detail = f.read()[-2000:].decode("utf-8", "replace").strip()
+            with open(self._log_path, "rb") as f:  # the launcher's stderr, and the agent's: escaped line by line
+                text = f.read()[-2000:].decode("utf-8", "replace").strip()
+                detail = "\n".join(printable(line) for line in text.splitlines())
         except OSError:
             pass
         if detail and "failed to start" in why:
