@@ -274,7 +274,7 @@ def test_the_same_contract_holds_for_an_unprivileged_host_process(tmp_path):
         os.makedirs(pkg)
         open(os.path.join(pkg, "__init__.py"), "w").close()
         for name in ("sandbox.py", "layers.py", "proc.py", "cgroup.py", "seccomp.py", "agentd.py", "toolbox.py",
-                     "toolbox_apps.py", "fstree.py", "upper.py"):
+                     "toolbox_apps.py", "fstree.py", "upper.py", "limits.py"):
             src = os.path.join(sandbox_mod.AGENT_DIR, name)
             if os.path.exists(src):
                 shutil.copy(src, pkg)
