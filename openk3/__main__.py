@@ -126,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     usage error."""
     words = sys.argv[1:] if argv is None else list(argv)
     command = next((w for w in words if not w.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    # no command (`--version`, `--help`, a typo): no command module is imported (they may import torch)
+    parser = build_parser(command if command in COMMANDS else "")
     args, rest = parser.parse_known_args(argv)
     overrides = getattr(args, "overrides", None)
     if args.command in ("train", "sft") and isinstance(overrides, list):

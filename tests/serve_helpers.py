@@ -30,11 +30,17 @@ import openk3
 from openk3.infer.engine import Engine
 from openk3.serve import uvicorn_config
 from openk3.tokenizer import Tokenizer
+from openk3.train.config import TrainConfig
+from openk3.train.config import apply_overrides as train_overrides
 
 
 def nano_model():
+    """The nano preset cut to 4 layers (3 KDA + 1 MLA, two AttnRes blocks, MoE): every layer kind at under half of
+    nano's ~20 ms per eager decode step on a slow core. These tests are about the server and the engine around the
+    model; a scripted reply is ~170 tokens, so the per-token cost is most of their run time."""
     torch.manual_seed(0)
-    return openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0).eval()
+    cfg = train_overrides(TrainConfig(model=openk3.preset("nano")), ["model.num_hidden_layers=4"]).model
+    return openk3.K3ForCausalLM.build(cfg, seed=0).eval()
 
 
 def byte_tokenizer() -> Tokenizer:

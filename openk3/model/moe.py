@@ -62,14 +62,20 @@ def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width:
     return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped_op"
 
 
-@torch.compiler.assume_constant_result
 def _fused_available() -> bool:
     return moe_cpu.available()
 
 
-@torch.compiler.assume_constant_result
 def _mxfp4_available() -> bool:
     return moe_mxfp4_cpu.available()
+
+
+def mark_constants_for_compile() -> None:
+    """Tell torch.compile that the kernels' availability is a constant (a guard-free Python bool in the graph).
+    Called by whoever compiles (`infer/graph.py`), not at import: `torch.compiler.assume_constant_result`
+    imports torch._dynamo, ~1.5 s of every process's start (each CLI command, each server's engine process)."""
+    for fn in (_fused_available, _mxfp4_available):
+        torch.compiler.assume_constant_result(fn)  # marks the function object itself; the globals stay the same
 
 
 class Router(nn.Module):
