@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from helpers import needs_vector_inductor
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
@@ -61,6 +62,7 @@ def test_bench_linear_layout_runs(tmp_path):
     assert sum(r["linears"] for r in rows if r.get("batch") == 1 and "linears" in r) > 30
 
 
+@needs_vector_inductor
 def test_bench_linear_layout_bf16_reduce_contenders_run_and_agree():
     import bench_linear_layout
 
@@ -145,3 +147,13 @@ def test_bench_structured_runs():
     assert [(r["batch"], r["grammar"]) for r in rows] == [(1, "none"), (1, "JSON schema"), (2, "none"),
                                                           (2, "JSON schema")]
     assert all(r["decode_tok_s"] > 0 for r in rows) and rows[1]["mask_us_per_row_token"] > 0
+
+
+def test_bench_threads_runs():
+    """Each cell a fresh process with its own OMP settings; the thread count it asked for is the one it ran."""
+    import bench_threads
+
+    rows = bench_threads.main(["seq_len=16", "batch_size=1", "--steps", "1", "--busy", "1", "--threads", "2",
+                               "--wait", "PASSIVE"])
+    assert [(r["busy"], r["passive"], r["threads"], r["threads_seen"]) for r in rows] == [(1, True, 2, 2)]
+    assert rows[0]["tokens_per_s"] > 0

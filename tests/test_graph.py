@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, needs_vector_inductor
 
 from openk3.config import preset
 from openk3.infer.engine import Engine
@@ -92,6 +92,7 @@ def test_compile_failure_falls_back_to_eager():
 
 
 @pytest.mark.slow
+@needs_vector_inductor
 def test_compiled_step_equals_eager_step(monkeypatch):
     """torch.compile of the step, K3 form (AttnRes, gates, latent MoE): the first call compiles (about
     40 s on one CPU core with a cold inductor cache; kept to one graph here: three rows decoding together in four slots,
@@ -124,6 +125,7 @@ def test_compiled_step_equals_eager_step(monkeypatch):
 
 
 @pytest.mark.slow
+@needs_vector_inductor
 def test_compiled_step_on_packed_mxfp4_experts(monkeypatch):
     """A model with MXFP4-packed experts (`keep_packed=True` loads) decodes compiled: every MoE layer of the
     graph calls the MXFP4 kernel as `openk3::experts_mxfp4`; greedy tokens equal the eager engine's, logits

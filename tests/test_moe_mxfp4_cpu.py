@@ -186,6 +186,21 @@ def test_packed_experts_compile_into_one_op(monkeypatch):
     assert_close("compiled", ref, got, 1e-6)
 
 
+def test_the_kernel_availability_marks_match_torchs_own():
+    """openk3.model.moe marks its availability probes without importing torch._dynamo; the mark must be the
+    attribute `torch.compiler.assume_constant_result` sets (a torch that renames it fails here)."""
+    from openk3.model import moe as moe_mod
+
+    def probe() -> bool:
+        return True
+
+    torch.compiler.assume_constant_result(probe)
+    marks = {k: v for k, v in vars(probe).items()}
+    assert marks, "assume_constant_result no longer marks the function object"
+    for fn in (moe_mod._fused_available, moe_mod._mxfp4_available):
+        assert {k: getattr(fn, k, None) for k in marks} == marks, fn
+
+
 def test_compiled_decode_of_packed_experts_without_the_kernel_is_refused(monkeypatch):
     model = pack_model_experts_(K3ForCausalLM.build(preset("nano-kl"), seed=0).eval())
     monkeypatch.setenv("OPENK3_NO_KERNELS", "1")

@@ -180,7 +180,10 @@ def test_mixed_precision_under_fsdp2_and_ep_equals_one_process(single, single_bf
     fp32 in one process: 5.6e-4)."""
     got = _run(tmp_path / "b2.pt", 2, "ep-bf16")
     ref = single_bf16
-    assert got["losses"][0] == ref["losses"][0]  # the first forward: no gradient has been summed yet
+    # the first forward: no gradient has been summed yet, so only the experts' split across ranks differs (smaller
+    # matmuls): to the bit with AVX2/AVX-512 kernels, 7.6e-8 relative with ATEN_CPU_CAPABILITY=default, whose
+    # scalar kernels block the sums by shape; fp32's first loss differs from bf16's by 4e-5 relative, far outside
+    assert abs(got["losses"][0] - ref["losses"][0]) <= 5e-7 * abs(ref["losses"][0]), (got["losses"], ref["losses"])
     for a, b in zip(ref["losses"], got["losses"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(a), (ref["losses"], got["losses"])
     for a, b in zip(ref["grad_norms"], got["grad_norms"], strict=True):

@@ -70,10 +70,22 @@ def _mxfp4_available() -> bool:
     return moe_mxfp4_cpu.available()
 
 
+def _assume_constant(fn):
+    """`torch.compiler.assume_constant_result` without its `import torch._dynamo` (~1.5 s of every process's
+    start: each CLI command, each server's engine process). The official call only sets this attribute;
+    tests/test_moe_mxfp4_cpu.py checks that it still does, and that a model compiled by hand (no openk3
+    compile helper in between) still traces the kernels' availability as a constant."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+_assume_constant(_fused_available)
+_assume_constant(_mxfp4_available)
+
+
 def mark_constants_for_compile() -> None:
-    """Tell torch.compile that the kernels' availability is a constant (a guard-free Python bool in the graph).
-    Called by whoever compiles (`infer/graph.py`), not at import: `torch.compiler.assume_constant_result`
-    imports torch._dynamo, ~1.5 s of every process's start (each CLI command, each server's engine process)."""
+    """The official form of the marks above, called by whoever compiles (`infer/graph.py`), so a torch that
+    renames the attribute still compiles our own graphs."""
     for fn in (_fused_available, _mxfp4_available):
         torch.compiler.assume_constant_result(fn)  # marks the function object itself; the globals stay the same
 
