@@ -672,6 +672,16 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
 
 
 
+def test_the_engine_process_imports_no_web_stack_and_no_compiler(server):
+    """Each engine start costs what its process imports: the engine process (`python -m openk3.serve.engine_main`)
+    imported fastapi, starlette and uvicorn (the package's __init__), and building a model imported torch._dynamo
+    (nn.Embedding's own init on the meta device goes through torch._refs), ~3 s of CPU per start together.
+    `scripted_nano` refuses to build in an engine process that imported any of them (serve_helpers.LEAN): this
+    server, and every other one of these tests, would not have started."""
+    _, state = server
+    assert state.engine is None and state.loop.alive
+
+
 def test_the_listening_socket_sends_small_chunks_at_once():
     """`openk3 serve` binds its socket itself (to know the port); asyncio turns Nagle off (TCP_NODELAY) only on
     connections of a socket that says IPPROTO_TCP. With Nagle on, each small SSE chunk waited for the previous
