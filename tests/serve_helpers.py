@@ -14,6 +14,7 @@ the file exists.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -100,10 +101,14 @@ def script_engine(engine: Engine, tok) -> Engine:
     return engine
 
 
-def scripted_nano(max_num_seqs: int = 4, gate: str | None = None, script: bool = True, **engine_kw) -> Engine:
+def scripted_nano(max_num_seqs: int = 4, gate: str | None = None, script: bool = True, exit_mark: str | None = None,
+                  **engine_kw) -> Engine:
     """The nano engine with the scripted outputs (none with script=False), built in whichever process calls
     it. `gate`: a file path; every step waits until that file exists (a file, because the engine process
-    shares no memory with the test)."""
+    shares no memory with the test). `exit_mark`: a file path the process writes if it runs its interpreter's
+    teardown (atexit)."""
+    if exit_mark is not None:
+        atexit.register(lambda: open(exit_mark, "w").close())
     tok = byte_tokenizer()
     engine = Engine(nano_model(), tok, max_num_seqs=max_num_seqs, **engine_kw)
     main = getattr(sys.modules["__main__"], "__spec__", None)
