@@ -14,24 +14,31 @@ the file exists.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
 import os
 import socket
+import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import httpx
 import torch
-import uvicorn
 
 import openk3
 from openk3.infer.engine import Engine
-from openk3.serve import uvicorn_config
 from openk3.tokenizer import Tokenizer
 from openk3.train.config import TrainConfig
 from openk3.train.config import apply_overrides as train_overrides
+
+if TYPE_CHECKING:  # the engine process unpickles `scripted_nano` from here: it imports no HTTP library
+    import httpx
+
+
+#: What the engine process must not import (it serves no HTTP and compiles nothing): `scripted_nano` checks it there.
+LEAN = ("fastapi", "starlette", "uvicorn", "httpx", "torch._dynamo")
 
 
 def nano_model():
@@ -94,12 +101,20 @@ def script_engine(engine: Engine, tok) -> Engine:
     return engine
 
 
-def scripted_nano(max_num_seqs: int = 4, gate: str | None = None, script: bool = True, **engine_kw) -> Engine:
+def scripted_nano(max_num_seqs: int = 4, gate: str | None = None, script: bool = True, exit_mark: str | None = None,
+                  **engine_kw) -> Engine:
     """The nano engine with the scripted outputs (none with script=False), built in whichever process calls
     it. `gate`: a file path; every step waits until that file exists (a file, because the engine process
-    shares no memory with the test)."""
+    shares no memory with the test). `exit_mark`: a file path the process writes if it runs its interpreter's
+    teardown (atexit)."""
+    if exit_mark is not None:
+        atexit.register(lambda: open(exit_mark, "w").close())
     tok = byte_tokenizer()
     engine = Engine(nano_model(), tok, max_num_seqs=max_num_seqs, **engine_kw)
+    main = getattr(sys.modules["__main__"], "__spec__", None)
+    heavy = [m for m in LEAN if m in sys.modules]
+    if main is not None and main.name == "openk3.serve.engine_main" and heavy:
+        raise ValueError(f"the engine process imported {heavy}: each engine start pays for them")
     if script:
         script_engine(engine, tok)
     if gate is not None:
@@ -125,6 +140,10 @@ def scripted_builder(max_num_seqs: int = 4, **kw):
 def served(app, **limits):
     """uvicorn on 127.0.0.1:<free port> in a thread, configured as `openk3 serve` does (`uvicorn_config`;
     `limits`: its header_timeout_s, max_connections); yields the base URL; stops it and joins the thread."""
+    import uvicorn
+
+    from openk3.serve import uvicorn_config
+
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY: see commands/serve.bind
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

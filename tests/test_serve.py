@@ -7,8 +7,8 @@ parser on token ids is what these requests exercise. Everything else runs the re
 
 The servers run the engine as `openk3 serve` does by default, in a process of its own (the builder
 `scripted_builder`); the in-thread twin (`create_app(engine)`) is kept where a test reaches into the engine
-object itself. Every server is stopped at the end of its fixture, its threads joined and its engine
-process gone (`served`).
+object itself, or where what it tests is the HTTP side's alone (an engine process start costs seconds). Every
+server is stopped at the end of its fixture, its threads joined and its engine process gone (`served`).
 """
 
 from __future__ import annotations
@@ -308,12 +308,14 @@ def test_chat_logprobs_cover_every_channel_unless_reasoning_is_hidden(client, to
                                                  logprobs=True, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.bytes for e in streamed] == [e.bytes for e in content]
-    hidden = client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200,
+    # hidden: any reply with reasoning will do (the shorter scripted one)
+    hidden = client.chat.completions.create(model=MODEL, messages=user("#script:text#"), max_tokens=200,
                                             logprobs=True, extra_body={"include_reasoning": False})
-    assert hidden.choices[0].logprobs is None and hidden.choices[0].message.tool_calls
-    chunks = list(client.chat.completions.create(model=MODEL, messages=user("#script:tool#"), max_tokens=200,
+    assert hidden.choices[0].logprobs is None and hidden.choices[0].message.content == "Hello world. Bye"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=user("#script:text#"), max_tokens=200,
                                                  logprobs=True, stream=True, extra_body={"include_reasoning": False}))
     assert all(c.choices[0].logprobs is None for c in chunks if c.choices)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello world. Bye"
 
 
 def test_completions_logprobs_equal_a_direct_computation(client, model, tok):
@@ -477,18 +479,25 @@ def state_idle(state) -> bool:
     return state.loop.in_flight() == 0 and state.metrics.running == 0 and state.metrics.waiting == 0
 
 
-def test_a_failing_step_fails_only_its_requests():
+@pytest.fixture(scope="module")
+def one_slot():
+    """A server that runs one request at a time and queues two more (the admission tests share it)."""
+    app = create_app(scripted_builder(1), served_model_name=MODEL, max_queue=2)
+    with served(app) as url:
+        yield url, app.state.openk3
+
+
+def test_a_failing_step_fails_only_its_requests(one_slot):
     """In the engine process: a request whose sampling raises gets a 500 envelope (`engine_error`); the one
     running before it, the one waiting behind it and a later one all complete, and the server stays healthy."""
-    app = create_app(scripted_builder(1), served_model_name=MODEL)
-    state = app.state.openk3
+    url, state = one_slot
     comp = {"model": MODEL, "max_tokens": 5}
     results: dict[str, httpx.Response] = {}
 
     def post(name: str, prompt: str) -> None:
         results[name] = httpx.post(url + "/v1/completions", json={**comp, "prompt": prompt}, timeout=60)
 
-    with served(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=60) as http:
         body = {**comp, "prompt": "#script:long# first", "max_tokens": 40, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as first:  # holds the one slot
             lines = first.iter_lines()
@@ -539,21 +548,21 @@ def test_engine_process_death_is_503_never_a_hang():
         assert state.loop.in_flight() == 0
 
 
-def test_full_queue_is_429():
-    app = create_app(scripted_builder(1), served_model_name=MODEL, max_queue=1)
-    state = app.state.openk3
+def test_full_queue_is_429(one_slot):
+    url, state = one_slot
     body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000, "stream": True}
-    with served(app) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as running, \
-                http.stream("POST", "/v1/completions", json=body) as waiting:
+                http.stream("POST", "/v1/completions", json=body) as waiting, \
+                http.stream("POST", "/v1/completions", json=body) as last:
             lines = running.iter_lines()  # kept: a dropped iterator closes the response
             next(lines)
-            assert running.status_code == waiting.status_code == 200
-            wait_until(lambda: state.metrics.running == 1 and state.metrics.waiting == 1)
+            assert running.status_code == waiting.status_code == last.status_code == 200
+            wait_until(lambda: state.metrics.running == 1 and state.metrics.waiting == 2)
             r = http.post("/v1/completions", json={**body, "stream": False})
             assert r.status_code == 429
             assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "queue_full"
-        wait_until(lambda: state.loop.in_flight() == 0, timeout=5)  # both streams closed: both freed
+        wait_until(lambda: state.loop.in_flight() == 0, timeout=5)  # the streams closed: all freed
         assert state.metrics.rejected["queue_full"] == 1
         assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
 
@@ -609,8 +618,9 @@ def test_sdk_error_classes(client):
     assert e.value.body["param"] == "top_logprobs"
 
 
-def test_api_key():
-    app = create_app(scripted_builder(1), served_model_name=MODEL, api_key="sekrit")
+def test_api_key(model, tok):
+    # the key is the HTTP side's alone: the in-thread twin, not an engine process start
+    app = create_app(Engine(model, tok, max_num_seqs=1), served_model_name=MODEL, api_key="sekrit")
     with served(app) as url:
         err = envelope(httpx.get(url + "/v1/models"), 401, code="invalid_api_key")
         assert err["type"] == "authentication_error" and "missing" in err["message"]
@@ -627,13 +637,19 @@ def test_api_key():
 
 # ---- the command ---------------------------------------------------------------------------------------------
 
-def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, model, tok):
+    """The nano model and the byte tokenizer saved as a checkpoint (what `openk3 serve` loads)."""
+    path = tmp_path_factory.mktemp("serve") / "ckpt"
+    openk3.save(model, path, dtype=torch.float32)
+    tok.save(str(path))
+    return path
+
+
+def test_cli_builds_a_server_from_a_checkpoint(tmp_path, ckpt):
     from openk3.commands import serve as cmd
     from openk3.serve.connections import default_max_connections
 
-    ckpt = tmp_path / "ckpt"
-    openk3.save(model, ckpt, dtype=torch.float32)
-    tok.save(str(ckpt))
     parser = argparse.ArgumentParser()
     cmd.add_arguments(parser)
     args = parser.parse_args([str(ckpt), "--port", "0", "--max-num-seqs", "2", "--max-model-len", "64",
@@ -670,6 +686,28 @@ def test_cli_builds_a_server_from_a_checkpoint(tmp_path, model, tok):
     with pytest.raises(SystemExit):
         parser.parse_args([str(ckpt), "--default-effort", "huge"])
 
+
+
+def test_the_engine_process_imports_no_web_stack_and_no_compiler(server):
+    """Each engine start costs what its process imports: the engine process (`python -m openk3.serve.engine_main`)
+    imported fastapi, starlette and uvicorn (the package's __init__), and building a model imported torch._dynamo
+    (nn.Embedding's own init on the meta device goes through torch._refs), ~3 s of CPU per start together.
+    `scripted_nano` refuses to build in an engine process that imported any of them (serve_helpers.LEAN): this
+    server, and every other one of these tests, would not have started."""
+    _, state = server
+    assert state.engine is None and state.loop.alive
+
+
+def test_the_engine_process_exits_without_the_interpreters_teardown(tmp_path):
+    """The server's shutdown waits for the engine process; Python's teardown with torch loaded took ~1.5 s of it,
+    for nothing (the process has nothing left to write), so the process ends with os._exit: no atexit runs."""
+    from openk3.serve.metrics import Metrics
+    from openk3.serve.process import EngineProcess
+
+    mark = tmp_path / "teardown-ran"
+    proc = EngineProcess(scripted_builder(1, exit_mark=str(mark)), Metrics(MODEL))
+    proc.stop()
+    assert proc.stopped() and proc._proc.returncode == 0 and not mark.exists()
 
 
 def test_the_listening_socket_sends_small_chunks_at_once():
@@ -716,13 +754,10 @@ def _gone(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads process states through /proc")
-def test_the_command_on_port_0_names_its_port_and_leaves_no_orphan_engine(tmp_path, model, tok):
+def test_the_command_on_port_0_names_its_port_and_leaves_no_orphan_engine(ckpt):
     """`openk3 serve --port 0` prints the port it bound and its engine's pid (a request sent at once waits in
     the listen backlog, not refused, while the app starts); killing the server (SIGKILL: no shutdown code
     runs) ends the engine process too, which sees its inbox close."""
-    ckpt = tmp_path / "ckpt"
-    openk3.save(model, ckpt, dtype=torch.float32)
-    tok.save(str(ckpt))
     cmd = [sys.executable, "-m", "openk3", "serve", str(ckpt), "--port", "0", "--max-num-seqs", "1",
            "--log-level", "warning"]
     server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)

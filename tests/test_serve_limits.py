@@ -3,9 +3,10 @@ completion cap, SSE keep-alive comments during a long prefill, the header deadli
 (raw sockets that connect and send nothing), the body's size and time, /health while the engine process is
 stopped, and requests larger than the server can ever hold.
 
-Servers run the nano model in an engine process (tests/serve_helpers.py), configured as `openk3 serve` is
-(`uvicorn_config`), with the limits set small. No assertion is on a duration: a limit that does not hold
-leaves a socket read waiting until its own timeout (60 s), which fails the test.
+Servers run the nano model in an engine process (tests/serve_helpers.py), or in a thread (the twin) where the
+limit is the HTTP side's alone, configured as `openk3 serve` is (`uvicorn_config`), with the limits set small.
+No assertion is on a duration: a limit that does not hold leaves a socket read waiting until its own timeout
+(60 s), which fails the test.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import byte_tokenizer, envelope, nano_model, scripted_builder, served, user, wait_until
+from serve_helpers import (
+    byte_tokenizer,
+    envelope,
+    nano_model,
+    scripted_builder,
+    scripted_nano,
+    served,
+    user,
+    wait_until,
+)
 
 import openk3
 from openk3.chat import resolve_thinking
@@ -142,7 +152,8 @@ class OpenOnComment(httpx.BaseTransport):
 
 def test_a_stream_waiting_for_its_first_token_sends_keepalive_comments(tmp_path):
     gate = tmp_path / "gate"  # the engine's steps wait until it exists: a prefill as long as the test wants
-    app = create_app(scripted_builder(2, gate=str(gate)), served_model_name=MODEL, sse_keepalive_s=0.05)
+    # the comments are the HTTP side's (the SSE writer): the in-thread twin, not an engine process start
+    app = create_app(scripted_nano(2, gate=str(gate)), served_model_name=MODEL, sse_keepalive_s=0.05)
     body = {"model": MODEL, "messages": user("#script:text#"), "max_tokens": 100, "stream": True}
     with served(app) as url:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
@@ -187,7 +198,7 @@ def _health(url: str) -> int | None:
 
 def test_connections_past_the_cap_get_a_503_and_one_log_line(caplog):
     caplog.set_level(logging.WARNING, logger="openk3.serve.connections")
-    app = create_app(scripted_builder(1), served_model_name=MODEL)
+    app = create_app(scripted_nano(1), served_model_name=MODEL)  # the cap is uvicorn's: the in-thread twin
     with served(app, max_connections=4, header_timeout_s=60) as url:
         idle = [socket.create_connection(("127.0.0.1", port_of(url)), timeout=60) for _ in range(4)]
         try:

@@ -60,12 +60,12 @@ def _plan(seed: int = 0) -> list[dict]:
         body = {"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, "n": n}
         if kind == "greedy_chat":
             body |= {"messages": [{"role": "user", "content": f"{marker} " + "xyz"[: rng.randint(1, 3)] * 3}],
-                     "max_tokens": rng.randint(4, 24), "temperature": 0}
+                     "max_tokens": rng.randint(4, 12), "temperature": 0}
         elif kind == "greedy_completion":
-            body |= {"prompt": f"{marker} def " + "f" * rng.randint(0, 12), "max_tokens": rng.randint(4, 24),
+            body |= {"prompt": f"{marker} def " + "f" * rng.randint(0, 12), "max_tokens": rng.randint(4, 12),
                      "temperature": 0}
         elif kind == "scripted":  # "a" per token: the text and the token count are known exactly
-            body |= {"prompt": f"#script:long# {marker}", "max_tokens": rng.randint(8, 40)}
+            body |= {"prompt": f"#script:long# {marker}", "max_tokens": rng.randint(8, 20)}
         elif kind == "stop_chat":  # the scripted answer is "Hello world. Bye": the content stops before "world"
             body |= {"messages": [{"role": "user", "content": f"#script:text# {marker}"}], "stop": ["world"],
                      "max_tokens": 100}

@@ -95,7 +95,11 @@ class K3Model(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # `_weight`: no init here (init_weights or a checkpoint fills it). nn.Embedding's own N(0, 1) init on the meta
+        # device of `build` goes through torch._refs, whose first call imports torch._dynamo: ~2 s of CPU in every
+        # process that builds or loads a model (each `openk3 serve` engine process, each CLI command).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.use_attn_res:

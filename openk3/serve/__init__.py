@@ -17,7 +17,19 @@
     static/         the web chat page served at / (index.html, chat.js, chat.css)
 """
 
-from openk3.serve.app import create_app
-from openk3.serve.connections import uvicorn_config
-
 __all__ = ["create_app", "uvicorn_config"]
+
+
+def __getattr__(name: str):
+    """The HTTP side on first use: the engine process (`python -m openk3.serve.engine_main`, which imports this
+    package first) never serves HTTP, and importing fastapi, starlette and uvicorn cost each engine start ~0.7 s of
+    CPU (`python -X importtime -m openk3.serve.engine_main`)."""
+    if name == "create_app":
+        from openk3.serve.app import create_app
+
+        return create_app
+    if name == "uvicorn_config":
+        from openk3.serve.connections import uvicorn_config
+
+        return uvicorn_config
+    raise AttributeError(f"module 'openk3.serve' has no attribute {name!r}")
