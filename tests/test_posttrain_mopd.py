@@ -219,7 +219,8 @@ def test_distilling_toward_a_sharper_teacher_halves_the_reverse_kl():
     under-trained student); one-token episodes (every id ends the turn) put 32 samples on each of 2 contexts,
     so each step's sampled gradient is informative at a 512-id vocabulary. With many contexts and few samples
     each, 10 steps do not move a random-init student (the sampled-token signal drowns in noise there).
-    Fixed seeds; the real optimizer (Muon + AdamW); ~7 s."""
+    Fixed seeds; the real optimizer (Muon + AdamW). 6 steps: the exact KL is at 0.26 x its start after two,
+    0.16 x after four; the estimates fall from 2.9 to 0.36-1.1 (their last four average 0.65)."""
     torch.manual_seed(0)
     model = tiny_model()
     teacher = copy.deepcopy(model).requires_grad_(False)
@@ -236,7 +237,7 @@ def test_distilling_toward_a_sharper_teacher_halves_the_reverse_kl():
             return float((s.exp() * (s - t)).sum(-1).mean())
 
     start, estimates = exact_kl(), []
-    for step in range(10):
+    for step in range(6):
         _, metrics = mopd_step(cfg, model, opt, engine, problems(["general/low"] * 2), {"general/low": teacher}, TOK,
                                RolloutConfig(group_size=32, seed=step, extra_stop_ids=tuple(range(512))), step)
         estimates.append(metrics["reverse_kl"])
