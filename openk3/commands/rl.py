@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--anneal-fraction", type=float, default=d.anneal_fraction,
                    help=f"share of the steps the annealing takes (default {d.anneal_fraction})")
     p.add_argument("--b-floor", type=int, default=d.b_floor, help=f"smallest think budget (default {d.b_floor})")
+    p.add_argument("--budget-cap", type=int, default=None,
+                   help="largest think budget: every B(x) is cut to it (default: no cap)")
     add_rollout_run_arguments(p, d, seed_help="problems and sampling")
 
 
@@ -70,8 +72,8 @@ def main(args: argparse.Namespace) -> int:
                    clip_high=args.clip_high, is_mode=args.is_mode, is_bounds=tuple(args.is_bounds),
                    temperature=args.temperature, response_cap=args.response_cap, max_turns=args.max_turns,
                    budget_from_effort=args.budget_from_effort, anneal_fraction=args.anneal_fraction,
-                   b_floor=args.b_floor, split=args.split, levels=parse_levels(args.levels), seed=args.seed,
-                   save_every=args.save_every,
+                   b_floor=args.b_floor, budget_cap=args.budget_cap, split=args.split,
+                   levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
                    max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
     last = rl(cfg, args.out)
     if last:

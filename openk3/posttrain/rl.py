@@ -89,6 +89,7 @@ class RLConfig:
     budget_from_effort: str | None = None
     anneal_fraction: float = 0.5
     b_floor: int = B_FLOOR
+    budget_cap: int | None = None  # a ceiling on every budget (the think tokens a sampler can afford); None: none
     split: str = "train"
     levels: tuple[int, ...] | None = None  # general: the difficulty levels drawn (None: all; the pipeline: SFT's)
     # loop
@@ -120,6 +121,9 @@ class RLConfig:
                 raise bad(field, "> 0")
         if not 0 < self.anneal_fraction <= 1:
             raise bad("anneal_fraction", "in (0, 1]")
+        if self.budget_cap is not None and (isinstance(self.budget_cap, bool) or not isinstance(self.budget_cap, int)
+                                            or self.budget_cap < max(1, self.b_floor)):
+            raise bad("budget_cap", f"an integer >= max(1, b_floor = {self.b_floor}) or None")
         check_micro_tokens(self.micro_tokens, "rl")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
         from openk3.posttrain.general import check_levels
@@ -332,7 +336,7 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     metrics_path = out / "metrics.jsonl"
     truncate_after(str(metrics_path), start)
     (out / "rollouts").mkdir(exist_ok=True)
-    budget = BudgetConfig(b_floor=cfg.b_floor, anneal_fraction=cfg.anneal_fraction)
+    budget = BudgetConfig(b_floor=cfg.b_floor, cap=cfg.budget_cap, anneal_fraction=cfg.anneal_fraction)
     source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
                            budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
                            sandbox_options=sandbox_options, levels=cfg.levels)
