@@ -7,7 +7,7 @@ Run folder:
     train_config_history.jsonl   one line per resume that changed the config: step, changes, previous config
     tokenizer/               trained for the run when `cfg.tokenizer` is None
     metrics.jsonl            one record per step, eval and resume (`openk3.train.metrics`)
-    loss.png                 train/val loss, redrawn at each eval, checkpoint and the end
+    loss.png                 train/val loss, redrawn at each eval, checkpoint and the end (when there is news)
     checkpoints/step_N/      release-format fp32 weights + tokenizer + trainer_state.pt; `latest`
 
 `Trainer` is the loop as a function of (model, batches, optimizer set, schedule): `batches` is any
