@@ -34,7 +34,7 @@ def test_readme_main_command_short(tmp_path):
     no-op once .venv exists."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENK3_THREADS": "1"}
     args = ["--out", str(tmp_path / "run"), "--max-steps", "2", "--no-progress", "batch_size=2", "seq_len=32",
-            "data.max_bytes=200000", "sample_tokens=8", "model.num_hidden_layers=4"]
+            "data.max_bytes=300000", "sample_tokens=8"]
     r = subprocess.run(["bash", "scripts/main.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
