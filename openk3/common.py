@@ -4,18 +4,31 @@ from __future__ import annotations
 
 import os
 import random
+from contextlib import nullcontext
 
 import torch
+
+# The helpers below skip their torch call when it would change nothing: an eager decode step calls them a few
+# hundred times, and each call (`.float()` of a float32 tensor, entering `torch.autocast`) costs microseconds
+# of Python and dispatch while returning its input unchanged.
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """To at least float32. The spec's fp32 islands (§4.8) must not *down*cast float64 test inputs."""
-    return x if x.dtype == torch.float64 else x.float()
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, without the call when `x` already has it (`.to` returns `x` itself then too)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def fp32_island(t: torch.Tensor):
     """Context in which autocast is off, so a spec fp32 island (§4.8) stays fp32 inside a bf16
-    autocast region (autocast would otherwise run its matmuls in bf16)."""
+    autocast region (autocast would otherwise run its matmuls in bf16); a plain context when autocast
+    is not on for `t`'s device (the island is then fp32 already)."""
+    if not torch.is_autocast_enabled(t.device.type):
+        return nullcontext()
     return torch.autocast(t.device.type, enabled=False)
 
 

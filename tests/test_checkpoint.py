@@ -57,15 +57,19 @@ def _randomize(model: K3ForCausalLM, seed: int) -> K3ForCausalLM:
     return model
 
 
-_MODELS: dict[str, K3ForCausalLM] = {}
+_MODELS: dict[tuple[str, int], K3ForCausalLM] = {}
 
 
-def _model(form: str) -> K3ForCausalLM:
-    """A fresh copy of the fp32 nano model in K3 form ("k3") or Kimi-Linear form ("kl")."""
-    if form not in _MODELS:
-        cfg = nano() if form == "k3" else as_kimi_linear(nano())
-        _MODELS[form] = _randomize(K3ForCausalLM.build(cfg, dtype=torch.float32, seed=3), seed=4).eval()
-    return copy.deepcopy(_MODELS[form])
+def _model(form: str, layers: int = 9) -> K3ForCausalLM:
+    """A fresh copy of the fp32 nano model in K3 form ("k3") or Kimi-Linear form ("kl"); `layers` < 9: nano cut
+    to that depth (4: 3 KDA + 1 MLA, a dense layer then MoE, two AttnRes blocks: every layer kind)."""
+    if (form, layers) not in _MODELS:
+        from openk3.train.config import TrainConfig, apply_overrides
+
+        cfg = apply_overrides(TrainConfig(model=nano()), [f"model.num_hidden_layers={layers}"]).model  # K3's rules
+        cfg = cfg if form == "k3" else as_kimi_linear(cfg)
+        _MODELS[form, layers] = _randomize(K3ForCausalLM.build(cfg, dtype=torch.float32, seed=3), seed=4).eval()
+    return copy.deepcopy(_MODELS[form, layers])
 
 
 IDS = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(0))
@@ -286,7 +290,7 @@ def _rounded_experts(model: K3ForCausalLM) -> K3ForCausalLM:
 
 @pytest.mark.parametrize("form", ["k3", "kl"])
 def test_mxfp4_save_load(tmp_path, form):
-    model = _model(form)
+    model = _model(form, layers=4)
     save(model, tmp_path / "q", experts_format="mxfp4", dtype=torch.float32)
     top = json.loads((tmp_path / "q" / "config.json").read_text())
     text = top["text_config"] if form == "k3" else top
@@ -332,7 +336,7 @@ def test_mxfp4_save_load(tmp_path, form):
 
 
 def test_mxfp4_bf16_load_and_keep_packed_on_float_checkpoint(tmp_path):
-    model = _model("k3")
+    model = _model("k3", layers=4)
     save(model, tmp_path / "q", experts_format="mxfp4")
     back = load(tmp_path / "q")
     assert back.model.layers[2].block_sparse_moe.experts.w1.dtype == torch.bfloat16

@@ -41,12 +41,16 @@ def test_info_k3_table(capsys):
 
 
 def test_info_unknown_preset_is_one_line_error():
-    r = _run("info", "--preset", "nope")
+    """Said before torch is imported (~2 s): the `main` that `python -m openk3` runs, then what it imported."""
+    code = ("import sys, openk3.__main__ as m; rc = m.main(); print('torch' in sys.modules, file=sys.stderr); "
+            "sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, "info", "--preset", "nope"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "OPENK3_THREADS": "1"})
     assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+    *lines, imported_torch = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
     assert "nope" in lines[0] and "Traceback" not in r.stderr
-    assert r.stdout == ""
+    assert r.stdout == "" and imported_torch == "False"
 
 
 def test_info_from_config_json(tmp_path, capsys):

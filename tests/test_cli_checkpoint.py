@@ -21,6 +21,17 @@ def saved(tmp_path_factory):
     return root
 
 
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory):
+    """nano cut to 4 layers (every layer kind, MoE experts to convert), sharded the same way."""
+    from openk3.train.config import TrainConfig, apply_overrides
+
+    root = tmp_path_factory.mktemp("cli4")
+    cfg = apply_overrides(TrainConfig(model=nano()), ["model.num_hidden_layers=4"]).model
+    openk3.save(K3ForCausalLM.build(cfg, dtype=torch.float32, seed=3), root / "bf16", max_shard_bytes=2 * 2**20)
+    return root
+
+
 def _ids():
     return torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(0))
 
@@ -68,8 +79,10 @@ def test_info_path_with_nan_or_inf_weights_exits_2_naming_the_tensors(saved, tmp
     assert main(["info", str(saved / "bf16")]) == 0
 
 
-def test_convert_mxfp4_and_back_and_config_forms(saved, capsys):
+def test_convert_mxfp4_and_back_and_config_forms(saved4, capsys):
+    saved = saved4
     src = saved / "bf16"
+    assert len(list(src.glob("*.safetensors"))) > 1  # convert reads and writes shards
     assert main(["convert", str(src), str(saved / "mx"), "--experts", "mxfp4"]) == 0
     assert main(["info", str(saved / "mx"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out.split("\n", 1)[1])  # first line is convert's report

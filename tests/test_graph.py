@@ -29,9 +29,9 @@ def _prompts(lengths, vocab, seed=0):
 
 
 def _short(name: str):
-    """`name` cut to 5 layers (1 dense + 4 MoE; KDA 1-3, MLA 4-5, one AttnRes block boundary in the K3 form):
-    every structural feature of the preset, with about half the graph to compile (cold inductor cache: CI)."""
-    return preset(name).replace(num_hidden_layers=5, **{"linear_attn_config.full_attn_layers": [4, 5],
+    """`name` cut to 4 layers (1 dense + 3 MoE; KDA 1-3, MLA 4, one AttnRes block boundary in the K3 form):
+    every structural feature of the preset, with under half the graph to compile (cold inductor cache: CI)."""
+    return preset(name).replace(num_hidden_layers=4, **{"linear_attn_config.full_attn_layers": [4],
                                                          "linear_attn_config.kda_layers": None})
 
 

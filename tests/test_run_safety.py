@@ -1,8 +1,8 @@
 """A run folder never loses what it holds (issue 28): a re-save killed between its two renames keeps the step
 (D1); a folder whose checkpoints are gone, or an earlier run's settings, are not silently replaced; a finished
 run that is run again writes no checkpoint and logs no second eval (S3); keep_checkpoints=1 resumes on the disk
-it started on (S1); a full disk names the file being written and what was kept. One thread, nano at seq 32 x
-batch 2 (the settings of tests/test_train_resume.py)."""
+it started on (S1); a full disk names the file being written and what was kept. One thread, nano cut to 4 layers
+at seq 32 x batch 2 (the settings of tests/test_train_resume.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_resume import BASE, Killed, ckpt, copy_run, tiny, tiny_disk, train_losses
+from test_train_resume import BASE, Killed, ckpt, copy_run, reference_run, tiny, tiny_disk, train_losses
 
 import openk3
 from openk3.train import state as train_state
@@ -25,10 +25,9 @@ from openk3.train.trainer import train
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    """A finished 4-step run with checkpoints at steps 2 and 4 (its own 512-id tokenizer)."""
-    out = tmp_path_factory.mktemp("safety") / "ref"
-    train(tiny(), out, progress=False)
-    return out
+    """A finished 4-step run with checkpoints at steps 2 and 4 (its own 512-id tokenizer): test_train_resume's,
+    shared when both files run in one process."""
+    return reference_run(tmp_path_factory)
 
 
 def files_of(folder: Path) -> dict[str, bytes]:

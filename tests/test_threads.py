@@ -13,7 +13,9 @@ from openk3.train import trainer as trainer_mod
 from openk3.train.config import TrainConfig, apply_overrides
 from openk3.train.threads import ThreadTuner
 
-BASE = ["model.vocab_size=1024", "data.max_bytes=300000", "seq_len=32", "batch_size=2", "max_steps=9",
+# nano cut to 4 layers; 4 steps: step 1, the trial (steps 2-3) and a step on the thread count it chose
+BASE = ["model.vocab_size=512", "model.num_hidden_layers=4", "data.max_bytes=200000", "seq_len=32", "batch_size=2",
+        "max_steps=4",
         "eval_every=0", "save_every=0", "eval_batches=1", "warmup=1", "samples=0"]
 
 

@@ -1,6 +1,7 @@
 """Run folders over time: the special ids a trained checkpoint carries, resume past a damaged checkpoint,
 temp folders of a killed save, refused/allowed config changes, the free-space check, and `openk3 train`
-building its config from a file, flags and overrides in any order. One thread, nano at seq 32 x batch 2."""
+building its config from a file, flags and overrides in any order. One thread, nano cut to 4 layers (every
+layer kind) at seq 32 x batch 2."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from openk3.train.config import RESUME_FREE, TrainConfig, apply_overrides
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.trainer import train
 
-BASE = ["model.vocab_size=512", "data.max_bytes=200000", "seq_len=32", "batch_size=2", "max_steps=4",
-        "eval_every=0", "save_every=2", "eval_batches=1", "warmup=1", "optim.lr=3e-3", "samples=0", "threads=1"]
+BASE = ["model.vocab_size=512", "model.num_hidden_layers=4", "data.max_bytes=200000", "seq_len=32", "batch_size=2",
+        "max_steps=4", "eval_every=0", "save_every=2", "eval_batches=1", "warmup=1", "optim.lr=3e-3", "samples=0",
+        "threads=1"]
 
 
 def tiny(**changes) -> TrainConfig:
@@ -34,12 +36,23 @@ class Killed(Exception):
     pass
 
 
+_REFERENCE_RUNS: dict[Path, Path] = {}
+
+
+def reference_run(tmp_path_factory) -> Path:
+    """A 4-step run with checkpoints at steps 2 and 4 (trains its own 512-id tokenizer), trained once per test
+    process: tests/test_run_safety.py resumes copies of the same run. Tests only read it (or copy it)."""
+    base = tmp_path_factory.getbasetemp()
+    if base not in _REFERENCE_RUNS:
+        out = tmp_path_factory.mktemp("resume") / "ref"
+        train(tiny(), out, progress=False)
+        _REFERENCE_RUNS[base] = out
+    return _REFERENCE_RUNS[base]
+
+
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    """A 4-step run with checkpoints at steps 2 and 4 (trains its own 512-id tokenizer)."""
-    out = tmp_path_factory.mktemp("resume") / "ref"
-    train(tiny(), out, progress=False)
-    return out
+    return reference_run(tmp_path_factory)
 
 
 def copy_run(ref: Path, dst: Path) -> tuple[Path, TrainConfig]:
@@ -350,9 +363,10 @@ def test_out_alone_resumes_a_run_made_with_non_default_settings(ref, capsys):
 
 
 def test_main_sh_flags_resume_a_run_they_made(ref, capsys):
-    """scripts/main.sh runs `openk3 train --preset nano --out runs/nano --max-steps 240 "$@"`."""
+    """scripts/main.sh runs `openk3 train --preset nano --out runs/nano --max-steps 240 "$@"` (here "$@" holds the
+    reference run's cut to 4 layers)."""
     out = cli_copy(ref, "cli-main-sh")
-    rc, err = run_cli(["--preset", "nano", "--out", str(out), "--max-steps", "4"], capsys)
+    rc, err = run_cli(["--preset", "nano", "--out", str(out), "--max-steps", "4", "model.num_hidden_layers=4"], capsys)
     assert rc == 0, err
 
 

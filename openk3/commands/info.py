@@ -68,19 +68,19 @@ def file_summary(path: str, read_data: bool = False) -> tuple[str, dict, object]
 
 
 def main(args: argparse.Namespace) -> int:
-    import torch
-
-    from openk3.model.accounting import summary
-    from openk3.model.model import K3ForCausalLM
-    from openk3.plan.report import human_count
-
     files = None
     if args.path is not None:
         if args.preset or args.config:
             raise ValueError("give either PATH or --preset/--config, not both")
         name, files, cfg = file_summary(args.path, read_data=not args.headers_only)  # config read once
     else:
-        cfg, name = config_from_args(args)
+        cfg, name = config_from_args(args)  # a mistyped preset or config is refused before torch loads (~2 s)
+    import torch
+
+    from openk3.model.accounting import summary
+    from openk3.model.model import K3ForCausalLM
+    from openk3.plan.report import human_count
+
     model = K3ForCausalLM.build(cfg, device="meta", dtype=torch.bfloat16)
     info = {"config": name, **summary(model, seq_len=args.seq_len)}
     if files is not None:

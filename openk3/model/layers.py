@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from openk3.common import upcast
+from openk3.common import as_dtype, upcast
 
 FUSE_MAX_BYTES = 32 << 20
 
@@ -51,8 +51,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = upcast(x)
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return self.weight.to(x.dtype) * normed
+        normed = as_dtype(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype)
+        return as_dtype(self.weight, x.dtype) * normed
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -7,7 +7,7 @@ Run folder:
     train_config_history.jsonl   one line per resume that changed the config: step, changes, previous config
     tokenizer/               trained for the run when `cfg.tokenizer` is None
     metrics.jsonl            one record per step, eval and resume (`openk3.train.metrics`)
-    loss.png                 train/val loss, redrawn at each eval, checkpoint and the end
+    loss.png                 train/val loss, redrawn at each eval, checkpoint and the end (when there is news)
     checkpoints/step_N/      release-format fp32 weights + tokenizer + trainer_state.pt; `latest`
 
 `Trainer` is the loop as a function of (model, batches, optimizer set, schedule): `batches` is any
@@ -451,10 +451,14 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     def empty_copy() -> nn.Module:  # what `gathered_model` fills with the whole tensors on rank 0
         return K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)
 
+    drawn = {"records": -1}  # how much of the history loss.png shows (history is append-only)
+
     def plot() -> None:
-        if main:
+        # a step that evaluates and then saves would draw the same picture twice (matplotlib: ~0.2 s a draw)
+        if main and drawn["records"] != len(trainer.history):
             plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
                         str(out / "loss.png"))
+            drawn["records"] = len(trainer.history)
 
     def save() -> None:
         # several processes: the optimizer state goes to DCP shards written by every rank into a staging folder
