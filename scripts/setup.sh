@@ -11,11 +11,11 @@ fi
 # (find_spec, not an import: importing torch costs ~2 s, and test.sh runs this before every pass)
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   # Pinned so pip takes the CPU wheel; an unpinned torch would download a multi-GB CUDA build.
-  pip install -q torch==2.13.0
+  pip install -q --no-compile torch==2.13.0
 fi
 stamp=.venv/.openk3-pyproject.sha256
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import openk3" 2>/dev/null; then  # (openk3's own import is light)
-  pip install -q -e ".[dev]"
+  pip install -q --no-compile -e ".[dev]"
   echo "$want" > "$stamp"
 fi

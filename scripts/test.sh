@@ -33,8 +33,15 @@ cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 workers=${OPENK3_TEST_WORKERS:-$(( cpus >= 2 ? 2 : 1 ))}
 if [ "$workers" -gt 1 ]; then
   # worksteal: an idle worker takes queued tests from a busy one, so a few long tests (compiled graphs,
-  # torchrun launches) at the end of one worker's share do not leave the other idle
-  python -m pytest -n "$workers" --dist worksteal ${args[@]+"${args[@]}"}
+  # torchrun launches) at the end of one worker's share do not leave the other idle. The slow pass alone
+  # (`-m slow`: ~15 tests of 3-90 s) is handed out one by one in the order conftest.py gives, longest first.
+  dist=worksteal
+  prev=""
+  for a in ${args[@]+"${args[@]}"}; do
+    [ "$prev" = "-m" ] && [ "$a" = "slow" ] && dist=load
+    prev=$a
+  done
+  python -m pytest -n "$workers" --dist "$dist" ${args[@]+"${args[@]}"}
 else
   python -m pytest ${args[@]+"${args[@]}"}
 fi

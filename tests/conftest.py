@@ -56,6 +56,25 @@ def poison_empty(monkeypatch):
     yield
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest first: a `slow` test may say how long it takes (`@pytest.mark.slow(seconds=90)`, measured on the
+    2-core CI machine) and runs before the shorter ones, so the workers finish together instead of one starting
+    a 90 s test when the other has nothing left (scripts/test.sh hands the slow pass out one test at a time,
+    xdist's `--dist load`). In one process, modules stay together (their module-scoped fixtures are built once),
+    ordered by their longest test. A stable sort: the rest keeps its order."""
+    def seconds(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return float(mark.kwargs.get("seconds", 0)) if mark is not None else 0.0
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: -seconds(item))
+        return
+    longest: dict[str, float] = {}
+    for item in items:
+        longest[item.module.__name__] = max(longest.get(item.module.__name__, 0.0), seconds(item))
+    items.sort(key=lambda item: (-longest[item.module.__name__], item.module.__name__, -seconds(item)))
+
+
 # ---- what the run was, and what it could not run -----------------------------------------------------------
 #: Skip reasons that an installable system package removes: (what, words in the reason, apt packages).
 INSTALLABLE = (("bubblewrap", ("bwrap", "bubblewrap"), "bubblewrap"),

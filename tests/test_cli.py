@@ -63,7 +63,7 @@ def test_info_from_config_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["total_params"] == 4_795_512 + 6 * (128 - 4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=4)
 def test_demo_nano():
     r = _run("demo", "--preset", "nano", "--steps", "3", "--seq-len", "16", "--new-tokens", "4", "--threads", "1")
     assert r.returncode == 0, r.stdout + r.stderr

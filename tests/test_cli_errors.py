@@ -250,7 +250,7 @@ def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-@pytest.mark.slow  # two interpreters that import torch: ~20 s on a busy 2-core machine
+@pytest.mark.slow(seconds=3)  # two interpreters that import torch: ~20 s on a busy 2-core machine
 def test_subprocess_one_line_then_traceback_with_debug(tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text(DEEP)

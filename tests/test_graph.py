@@ -91,7 +91,7 @@ def test_compile_failure_falls_back_to_eager():
     assert not graph.compiled and sum("no C++ compiler" in str(w.message) for w in caught) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=57)
 @needs_vector_inductor
 def test_compiled_step_equals_eager_step(monkeypatch):
     """torch.compile of the step, K3 form (AttnRes, gates, latent MoE): the first call compiles (about
@@ -124,7 +124,7 @@ def test_compiled_step_equals_eager_step(monkeypatch):
         assert_close("logits", a, b, 2e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=28)
 @needs_vector_inductor
 def test_compiled_step_on_packed_mxfp4_experts(monkeypatch):
     """A model with MXFP4-packed experts (`keep_packed=True` loads) decodes compiled: every MoE layer of the

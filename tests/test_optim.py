@@ -284,7 +284,7 @@ def test_qk_clip_caps_clipped_heads_only(cfg):
 
 # -- training smoke ------------------------------------------------------------------------------------
 
-@pytest.mark.slow  # 30 optimizer steps of nano cut to 4 layers (every layer kind: KDA, MLA, dense, MoE)
+@pytest.mark.slow(seconds=4)  # 30 optimizer steps of nano cut to 4 layers (every layer kind: KDA, MLA, dense, MoE)
 def test_training_smoke_loss_drops(cfg):
     from openk3.train.config import TrainConfig, apply_overrides
 

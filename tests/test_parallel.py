@@ -140,7 +140,7 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 LAYOUTS = ("shard:1", "replicate:1", "ep:1", "ep:2", "pp:1", "pp:2")
 
 
-@pytest.mark.slow  # one torchrun launch of 2 processes running the six layouts in turn (~17-20 s on 2 CPUs)
+@pytest.mark.slow(seconds=17)  # one torchrun launch of 2 processes running the six layouts in turn (~17-20 s on 2 CPUs)
 def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path):
     """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), expert parallelism (ep=2: 16 of the 32 experts per rank,
     the rest FSDP2; with 1 and 2 micro-batches: the FSDP2 parameters accumulate there too) and pipeline stages (pp=2:
@@ -172,7 +172,7 @@ def single_bf16(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("b1") / "b1.pt", 1, "bf16")
 
 
-@pytest.mark.slow  # a torchrun launch of 2 processes and one process (~14 s on 2 CPUs)
+@pytest.mark.slow(seconds=20)  # a torchrun launch of 2 processes and one process (~14 s on 2 CPUs)
 def test_mixed_precision_under_fsdp2_and_ep_equals_one_process(single_bf16, tmp_path):
     """The trainer's mixed precision (`dtype=bf16`: fp32 parameters, optimizer state and fp32 islands, bf16
     autocast matmuls) on 2 gloo processes with expert parallelism (the experts spread, everything else FSDP2;
@@ -224,7 +224,7 @@ def _losses(out: Path) -> list[float]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-@pytest.mark.slow  # 2 one-process runs and 4 torchrun launches of nano, ~45-60 s on 2 CPUs
+@pytest.mark.slow(seconds=57)  # 2 one-process runs and 4 torchrun launches of nano, ~45-60 s on 2 CPUs
 def test_torchrun_openk3_train_resumes_on_another_world_size(tmp_path):
     """`torchrun --nproc_per_node 2 -m openk3 train` (the degrees default to dp_shard = the world size) with
     the same command line as one process: a run started on 2 processes with expert parallelism (optimizer state,
@@ -349,7 +349,7 @@ def test_pipeline_stages_are_cut_at_attnres_block_boundaries():
     assert stage_bounds(plain, 2, (4,)) == [(0, 4), (4, 9)] and bank_rows(plain, 4) == 1
 
 
-@pytest.mark.slow  # two torchrun launches of 2 processes
+@pytest.mark.slow(seconds=18)  # two torchrun launches of 2 processes
 def test_two_rank_runs_are_bitwise_deterministic(tmp_path):
     """The same seed and layout twice under torchrun: identical losses, gradient norms and weights, bit for bit
     (T9: no nondeterministic reduction order in the collectives or the QB gather)."""
@@ -391,7 +391,7 @@ def test_an_expert_parallel_moe_layer_equals_the_layer_in_one_process(tmp_path):
             assert max(errs.values()) <= tol, (rank, name, errs)
 
 
-@pytest.mark.slow  # two torchrun agents of one process each, nano for 2 steps (~15 s)
+@pytest.mark.slow(seconds=15)  # two torchrun agents of one process each, nano for 2 steps (~15 s)
 def test_the_slurm_script_trains_on_two_nodes_through_the_rendezvous(tmp_path):
     """scripts/slurm/train.sbatch with stand-ins for `srun` (runs its command once per task, concurrently) and
     `scontrol` (the first node is this host): two "nodes" are two torchrun agents that meet through torchrun's

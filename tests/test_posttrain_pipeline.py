@@ -45,7 +45,7 @@ def stage_lines(printed: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.slow  # about 35 s on one thread: nine cells' worth of evaluation (6 models x 3 cells x 16)
+@pytest.mark.slow(seconds=22)  # about 35 s on one thread: nine cells' worth of evaluation (6 models x 3 cells x 16)
 def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_path, capsys):
     out = tmp_path / "pt"
     assert run_command("--preset", "nano", "--out", str(out), "--profile", "tiny", "--domains", "general",
@@ -116,7 +116,7 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert (out / "report.json").read_bytes() == before
 
 
-@pytest.mark.slow  # 66-85 s on one thread, ~52 of them evaluation: 6 models x 3 cells x 16 sandboxed episodes
+@pytest.mark.slow(seconds=90)  # 66-90 s, ~52 of them evaluation: 6 models x 3 cells x 16 sandboxed episodes
 def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_path, capsys):
     from openk3.agent import unavailable_reason
 

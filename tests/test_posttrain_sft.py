@@ -426,7 +426,7 @@ def test_cli_main_trains_then_resumes_from_out_alone(base, data, tmp_path, capsy
 
 # ---- a learning signal -----------------------------------------------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=20)
 def test_learns_a_fixed_mapping(base, tmp_path):
     """10 one-digit questions with the answer (3d + 1) mod 10: greedy answers all right after 60 steps
     (20-25 s on one thread), where the random base gets about one in ten."""

@@ -28,7 +28,7 @@ def test_readme_has_main_and_test_commands():
     assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
 
 
-@pytest.mark.slow  # a real `bash scripts/main.sh` (tokenizer, shards, training, generate): 10-80 s
+@pytest.mark.slow(seconds=10)  # a real `bash scripts/main.sh` (tokenizer, shards, training, generate): 10-80 s
 def test_readme_main_command_short(tmp_path):
     """The main job (pretraining nano on the built-in corpus), shortened by flags passed through; setup is a
     no-op once .venv exists."""
