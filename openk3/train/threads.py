@@ -1,8 +1,8 @@
 """How many CPU threads a training run uses when nobody said: all CPUs or one, whichever steps faster now.
 
 Why measure instead of fixing a number: on the small shared machines openk3 is built and tested on, a second
-OpenMP thread made a nano training step 1.5x faster while the host gave the process both vCPUs, and up to
-~100x slower while another process wanted one of them (OpenMP's threads then wait at every small matmul for a
+OpenMP thread made a nano training step 1.5x faster while the host gave the process both vCPUs, and 2.4x
+slower while another process wanted one of them (OpenMP's threads then wait at every small matmul for a
 thread that is not running; `docs/benchmarks.md`, "Threads"). Which of the two a machine is in changes by the
 minute. So `openk3 train` starts on one thread and, from step `first` on, runs a short trial: `trial` steps on
 one thread, then up to `trial` on all CPUs, cut short as soon as an all-CPU step is `cut` times slower than the
