@@ -8,6 +8,15 @@ import pytest
 import torch
 
 
+def nano_cut(layers: int = 4):
+    """The nano preset cut to its first `layers` layers through the trainer's override path (so the layer lists
+    that depend on the count follow). 4 layers: 3 KDA + 1 MLA, a dense FFN then MoE, two AttnRes blocks: every
+    layer kind at under half of nano's cost."""
+    from openk3.train.config import TrainConfig, apply_overrides
+
+    return apply_overrides(TrainConfig(), [f"model.num_hidden_layers={layers}"]).model
+
+
 def rel_rms_error(ref: torch.Tensor, got: torch.Tensor) -> float:
     """||got - ref||_rms / ||ref||_rms in float64 (0 when both are exactly zero)."""
     ref64, got64 = ref.detach().double(), got.detach().double()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from helpers import nano_cut
 
 import openk3
 from openk3.__main__ import main
@@ -24,10 +25,8 @@ def saved(tmp_path_factory):
 @pytest.fixture(scope="module")
 def saved4(tmp_path_factory):
     """nano cut to 4 layers (every layer kind, MoE experts to convert), sharded the same way."""
-    from openk3.train.config import TrainConfig, apply_overrides
-
     root = tmp_path_factory.mktemp("cli4")
-    cfg = apply_overrides(TrainConfig(model=nano()), ["model.num_hidden_layers=4"]).model
+    cfg = nano_cut()
     openk3.save(K3ForCausalLM.build(cfg, dtype=torch.float32, seed=3), root / "bf16", max_shard_bytes=2 * 2**20)
     return root
 

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, nano_cut
 
 from openk3.config import preset
 from openk3.infer.detok import TextStream
@@ -29,22 +29,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10)
 PROMPT_LENGTHS = (5, 17, 1, 30, 9, 3)
 
 
-def nano4():
-    """nano cut to 4 layers (3 KDA + 1 MLA, a dense FFN then MoE, two AttnRes blocks): every layer kind the engine
-    drives, at under half of nano's per-token cost (these tests decode hundreds of tokens one at a time)."""
-    from openk3.train.config import TrainConfig, apply_overrides
-
-    return apply_overrides(TrainConfig(model=preset("nano")), ["model.num_hidden_layers=4"]).model
-
-
 @pytest.fixture(scope="module")
 def model64():
-    return K3ForCausalLM.build(nano4(), dtype=F64, seed=0).eval()
+    return K3ForCausalLM.build(nano_cut(), dtype=F64, seed=0).eval()
 
 
 @pytest.fixture(scope="module")
 def model32():
-    return K3ForCausalLM.build(nano4(), seed=0).eval()
+    return K3ForCausalLM.build(nano_cut(), seed=0).eval()
 
 
 @pytest.fixture(scope="module")

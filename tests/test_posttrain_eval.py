@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from helpers import nano_cut
 
 import openk3
 from openk3.chat import CLOSE, SEP, THINKING_EFFORTS, encode_segments, render
@@ -23,8 +24,6 @@ from openk3.posttrain import general, plots
 from openk3.posttrain.budget import BudgetConfig
 from openk3.posttrain.records import DOMAINS, byte_tokenizer
 from openk3.posttrain.rl_problems import ProblemSource
-from openk3.train.config import TrainConfig
-from openk3.train.config import apply_overrides as train_overrides
 
 TOK = byte_tokenizer()
 CAP = 400  # the scripted evaluations' think cap: above every general budget at b_floor 16
@@ -383,7 +382,7 @@ def test_plots_without_sft_or_curves_skip_those_files(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    cfg = train_overrides(TrainConfig(), ["model.num_hidden_layers=4"]).model
+    cfg = nano_cut()
     path = tmp_path_factory.mktemp("eval") / "tiny"
     openk3.save(openk3.K3ForCausalLM.build(cfg, seed=0).eval(), path, dtype=torch.float32)
     TOK.save(str(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import nano_cut
 
 from openk3.posttrain.merge import METHODS, dare, linear, merge, model_stock, task_arithmetic, ties
 from openk3.quant.mxfp4 import pack, unpack
@@ -20,18 +21,10 @@ def _sd(seed, scale=1.0, like=None):
     return sd
 
 
-def _nano4():
-    """nano cut to 4 layers (1 MLA + 3 KDA, a dense FFN and 3 MoE layers): every tensor kind a merge meets, at
-    under half of nano's load, merge and save time."""
-    from openk3.train.config import TrainConfig, apply_overrides
-
-    return apply_overrides(TrainConfig(), ["model.num_hidden_layers=4"]).model
-
-
 def _nano_sd(seed):
     from openk3.model.model import K3ForCausalLM
 
-    return K3ForCausalLM.build(_nano4(), dtype=torch.float32, seed=seed).state_dict()
+    return K3ForCausalLM.build(nano_cut(), dtype=torch.float32, seed=seed).state_dict()
 
 
 def _equal(a, b):
@@ -202,7 +195,7 @@ def ckpts(tmp_path_factory):
     (root / "tokenizer_config.json").write_text("{}")
     paths = {}
     for i, name in enumerate(("base", "m1", "m2")):
-        model = K3ForCausalLM.build(_nano4(), dtype=torch.float32, seed=3)
+        model = K3ForCausalLM.build(nano_cut(), dtype=torch.float32, seed=3)
         if i:
             g = torch.Generator().manual_seed(i)
             with torch.no_grad():
@@ -272,7 +265,7 @@ def test_merge_command_rejects_other_configs_formats_and_overwriting_an_input(ck
 
     root, paths = ckpts
     other = root / "other-eps"
-    openk3.save(K3ForCausalLM.build(dataclasses.replace(_nano4(), rms_norm_eps=1e-6), dtype=torch.float32, seed=3),
+    openk3.save(K3ForCausalLM.build(dataclasses.replace(nano_cut(), rms_norm_eps=1e-6), dtype=torch.float32, seed=3),
                 other, dtype=torch.float32)
     base = ["--base", str(paths["base", "bf16"]), "--method", "linear"]
     with pytest.raises(ValueError, match=r"other-eps/config.json: config differs from the base .*rms_norm_eps"):

@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from helpers import nano_cut
 
 import openk3
 from openk3.chat import OPEN, SEP
@@ -28,8 +29,6 @@ from openk3.posttrain.mopd import MOPDConfig, distill, draw_cells, floor_gaps, m
 from openk3.posttrain.records import byte_tokenizer
 from openk3.posttrain.rollout import Problem, RolloutConfig
 from openk3.train import state as train_state
-from openk3.train.config import TrainConfig
-from openk3.train.config import apply_overrides as train_overrides
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -38,7 +37,7 @@ THINK_OPEN = [TOK.special_ids[OPEN], *TOK.encode("think"), TOK.special_ids[SEP]]
 
 
 def tiny_model(seed: int = 0) -> openk3.K3ForCausalLM:
-    cfg = train_overrides(TrainConfig(), ["model.num_hidden_layers=4"]).model
+    cfg = nano_cut()
     return openk3.K3ForCausalLM.build(cfg, seed=seed).eval()
 
 

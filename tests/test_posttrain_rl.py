@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from helpers import nano_cut
 
 import openk3
 from openk3.chat import CLOSE, END_OF_MSG, OPEN, SEP, encode_segments, render
@@ -29,8 +30,6 @@ from openk3.posttrain.records import byte_tokenizer, think_tokens
 from openk3.posttrain.rl import RLConfig, make_batch, rl, rl_step, token_logprobs
 from openk3.posttrain.rollout import Problem, RolloutConfig, rollout
 from openk3.train import state as train_state
-from openk3.train.config import TrainConfig
-from openk3.train.config import apply_overrides as train_overrides
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -40,7 +39,7 @@ THINK_OPEN = [OPEN_ID, *TOK.encode("think"), SEP_ID]
 
 
 def tiny_model(seed: int = 0) -> openk3.K3ForCausalLM:
-    cfg = train_overrides(TrainConfig(), ["model.num_hidden_layers=4"]).model
+    cfg = nano_cut()
     return openk3.K3ForCausalLM.build(cfg, seed=seed).eval()
 
 

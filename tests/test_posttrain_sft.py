@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import nano_cut
 
 import openk3
 from openk3.chat import encode_segments, render
@@ -20,8 +21,6 @@ from openk3.posttrain.sft import SFTConfig, apply_overrides, sft
 from openk3.posttrain.sft_data import IGNORE_INDEX, SFTLoader, load_conversations, make_batch, pack
 from openk3.tokenizer import Tokenizer
 from openk3.train import state as train_state
-from openk3.train.config import TrainConfig
-from openk3.train.config import apply_overrides as train_overrides
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.optim import OptimConfig
 
@@ -68,7 +67,7 @@ def write_jsonl(path, rows) -> str:
 def base(tmp_path_factory):
     """A random 4-layer cut of nano (1 MLA layer, 3 KDA) saved with the byte tokenizer."""
     path = tmp_path_factory.mktemp("sft") / "base"
-    cfg = train_overrides(TrainConfig(), ["model.num_hidden_layers=4"]).model
+    cfg = nano_cut()
     openk3.save(openk3.K3ForCausalLM.build(cfg, seed=0), path, dtype=torch.float32)
     byte_tokenizer().save(str(path))
     return path

@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from openk3.model.cache import KDAState, SlotCache
-from openk3.model.moe import Router, mark_constants_for_compile
+from openk3.model.moe import Router
 from openk3.ops import moe_mxfp4_cpu
 
 
@@ -140,8 +140,6 @@ class DecodeGraph:
                 raise ValueError("compiled decode of MXFP4-packed experts needs the MXFP4 CPU kernel (a C "
                                  "compiler, OPENK3_NO_KERNELS unset); use compile=False or load with "
                                  "keep_packed=False")
-        if compile:
-            mark_constants_for_compile()
         if compile and next(model.parameters()).device.type == "cpu":
             column_major_linears_(model)
         # Guards on the model's modules and parameters cost ~0.5 ms per call at small shapes; an engine

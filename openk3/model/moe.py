@@ -83,13 +83,6 @@ _assume_constant(_fused_available)
 _assume_constant(_mxfp4_available)
 
 
-def mark_constants_for_compile() -> None:
-    """The official form of the marks above, called by whoever compiles (`infer/graph.py`), so a torch that
-    renames the attribute still compiles our own graphs."""
-    for fn in (_fused_available, _mxfp4_available):
-        torch.compiler.assume_constant_result(fn)  # marks the function object itself; the globals stay the same
-
-
 class Router(nn.Module):
     """`gate.weight` [E, D] (used in fp32) and the selection-only `e_score_correction_bias` [E] (fp32).
 
