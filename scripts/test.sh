@@ -26,6 +26,11 @@ bash scripts/setup.sh
 bash scripts/system-deps.sh
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Bytecode caches on, whatever the caller's PYTHONDONTWRITEBYTECODE: the suite starts a few hundred Python
+# processes (CLI runs, torchrun ranks, engine and server processes), and without cached bytecode each one compiles
+# torch's modules from source again (~2 s per process), and each pytest worker rewrites every test module's asserts
+# again. The caches are __pycache__ folders (git-ignored) in .venv, openk3/ and tests/.
+unset PYTHONDONTWRITEBYTECODE
 # Two worker processes (pytest-xdist) where there are two CPUs, each test on one thread: the suite's ~1,600
 # tests take about half the time of one process. OPENK3_TEST_WORKERS=1 runs them in this process.
 # (nproc counts OMP_NUM_THREADS as the CPU count, so it is asked without it)
