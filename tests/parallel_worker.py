@@ -11,7 +11,7 @@ boundaries, N micro-batches through torch's schedule); a "-bf16" suffix trains u
 mixed precision: fp32 parameters and islands, bf16 matmuls) instead of fp32, "bf16" alone in one process.
 N: micro-batches per step on each rank (grad_accum, default 1). Several LAYOUT:N runs one after another in the
 same processes (one launch, one process group; a fresh model, mesh and trainer each): OUT.pt then holds
-{"LAYOUT:N": result, ...}.
+{"LAYOUT:N": result, ...}; "LAYOUT:N#label" runs a spec again under its own key (the determinism check).
 
 nano cut to 4 layers (3 KDA + 1 MLA, a dense FFN then 3 MoE layers, two AttnRes blocks: every layer kind, and a
 block boundary to cut pipeline stages at) in fp32, the default optimizers (Muon + AdamW) and Quantile Balancing,
@@ -109,7 +109,7 @@ def run_many(out_path: str, steps: int, specs: list[str]) -> None:
         raise ValueError(f"run_many: repeated specs in {specs}")
     results = {}
     for i, spec in enumerate(specs):
-        layout, _, accum = spec.partition(":")
+        layout, _, accum = spec.split("#")[0].partition(":")  # "#label": a repeat of a spec, kept apart
         results[spec] = run(None, steps, layout, int(accum or 1), close=i == len(specs) - 1)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(results, out_path)

@@ -138,22 +138,39 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 
 
 LAYOUTS = ("shard:1", "replicate:1", "ep:1", "ep:2", "pp:1", "pp:2")
+# one launch of 2 processes runs them all in turn: the six fp32 layouts, mixed precision under expert parallelism,
+# and the first layout once more (its repeat must be bit for bit the same)
+RUNS = (*LAYOUTS, "ep-bf16:1", "shard:1#again")
 
 
-@pytest.mark.slow(seconds=17)  # one torchrun launch of 2 processes running the six layouts in turn (~17-20 s on 2 CPUs)
-def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path):
-    """FSDP2 (dp_shard=2), HSDP (dp_replicate=2), expert parallelism (ep=2: 16 of the 32 experts per rank,
-    the rest FSDP2; with 1 and 2 micro-batches: the FSDP2 parameters accumulate there too) and pipeline stages (pp=2:
-    layers 0-2 and 3, the AttnRes bank crossing; GPipe with 1 micro-batch, 1F1B with 2) on 2 gloo processes,
-    nano cut to 4 layers in fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses,
-    gradient norms, parameters and QB biases equal the single process on the same global batches. (The layouts run one
-    after another in the same two processes, each with a fresh model, mesh and trainer: one launch instead of six.
-    So only the first joins a fresh process group; EP and PP also start fresh launches in the mixed-precision
-    and resume tests.)"""
-    runs = _run(tmp_path / "w2.pt", 2, " ".join(LAYOUTS))
-    assert list(runs) == list(LAYOUTS)
+@pytest.fixture(scope="module")
+def single_bf16(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("b1") / "b1.pt", 1, "bf16")
+
+
+@pytest.mark.slow(seconds=25)  # one torchrun launch of 2 processes running eight runs in turn (~25 s on 2 CPUs)
+def test_two_data_ranks_equal_one_process_in_every_layout(single, single_bf16, tmp_path):
+    """One launch of 2 gloo processes runs, one after another (each with a fresh model, mesh and trainer on the one
+    process group; only the first joins a fresh group, and EP and PP also start fresh launches in the resume test):
+
+    1. FSDP2 (dp_shard=2), HSDP (dp_replicate=2), expert parallelism (ep=2: 16 of the 32 experts per rank, the
+       rest FSDP2; with 1 and 2 micro-batches: the FSDP2 parameters accumulate there too) and pipeline stages (pp=2:
+       layers 0-2 and 3, the AttnRes bank crossing; GPipe with 1 micro-batch, 1F1B with 2), nano cut to 4 layers in
+       fp32 with Muon + AdamW and Quantile Balancing, rows of uneven loss-token counts: losses, gradient norms,
+       parameters and QB biases equal the single process on the same global batches.
+    2. The trainer's mixed precision (`dtype=bf16`: fp32 parameters, optimizer state and fp32 islands, bf16 autocast
+       matmuls) with expert parallelism (the experts spread, everything else FSDP2; FSDP2 alone measured the same)
+       equals one process in bf16: the same rounding points, only the gradient sums' order differs. Measured: the
+       first loss to the bit (fp32's differs by 1.2e-5), later losses within 3e-5 relative, parameters within
+       1.6e-4 after 3 steps (bf16 against fp32 in one process: 5.6e-4).
+    3. The first layout again, after the others in the same processes: identical losses, gradient norms, weights
+       and QB biases, bit for bit (T9: no nondeterministic reduction order in the collectives or the QB gather, and
+       nothing a run leaves behind changes the next)."""
+    runs = _run(tmp_path / "w2.pt", 2, " ".join(RUNS))
+    assert list(runs) == list(RUNS)
     assert single["dispatched"] == 0 and single["local_experts"] == [32] * 3 and single["world"] == 1
-    for spec, got in runs.items():
+    for spec in LAYOUTS:
+        got = runs[spec]
         layout, accum = spec.split(":")[0], int(spec.split(":")[1])
         try:
             assert got["world"] == 2
@@ -166,22 +183,8 @@ def test_two_data_ranks_equal_one_process_step_by_step(single, tmp_path):
         except AssertionError as e:
             raise AssertionError(f"layout {spec}: {e}") from e
 
-
-@pytest.fixture(scope="module")
-def single_bf16(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("b1") / "b1.pt", 1, "bf16")
-
-
-@pytest.mark.slow(seconds=20)  # a torchrun launch of 2 processes and one process (~14 s on 2 CPUs)
-def test_mixed_precision_under_fsdp2_and_ep_equals_one_process(single_bf16, tmp_path):
-    """The trainer's mixed precision (`dtype=bf16`: fp32 parameters, optimizer state and fp32 islands, bf16
-    autocast matmuls) on 2 gloo processes with expert parallelism (the experts spread, everything else FSDP2;
-    FSDP2 alone measured the same) equals one process in bf16:
-    the same rounding points, only the gradient sums' order differs. Measured: the first loss to the bit (fp32's
-    differs by 1.2e-5), later losses within 3e-5 relative, parameters within 1.6e-4 after 3 steps (bf16 against
-    fp32 in one process: 5.6e-4)."""
-    got = _run(tmp_path / "b2.pt", 2, "ep-bf16")
-    ref = single_bf16
+    # 2. mixed precision
+    got, ref = runs["ep-bf16:1"], single_bf16
     # the first forward: no gradient has been summed yet, so only the experts' split across ranks differs (smaller
     # matmuls): to the bit with AVX2/AVX-512 kernels, 7.6e-8 relative with ATEN_CPU_CAPABILITY=default, whose
     # scalar kernels block the sums by shape; fp32's first loss differs from bf16's by 4e-5 relative, far outside
@@ -192,12 +195,19 @@ def test_mixed_precision_under_fsdp2_and_ep_equals_one_process(single_bf16, tmp_
         assert abs(a - b) <= 1e-2 * abs(a)
     worst = max((ref["params"][k] - got["params"][k]).abs().max().item() for k in ref["params"])
     assert worst <= 5e-4, worst
+    assert got["dispatched"] == 3 * 8 and got["local_experts"] == [16] * 8  # 9 layers: 8 MoE, 3 steps
     # bf16 really ran (its losses are not fp32's), and the islands are fp32 parameters whatever the compute
     import parallel_worker
 
     assert parallel_worker.run(None, 1, "shard", layers=9)["losses"][0] != ref["losses"][0]
     islands = [k for k in got["params"] if k.endswith(("A_log", "dt_bias", "conv1d.weight"))]
     assert islands and all(got["params"][k].dtype == torch.float32 for k in islands)
+
+    # 3. the repeat
+    a, b = runs["shard:1"], runs["shard:1#again"]
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
+    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    assert all(torch.equal(a["biases"][k], b["biases"][k]) for k in a["biases"])
 
 
 # ---- the launch: torchrun -m openk3 train -------------------------------------------------------------
@@ -347,17 +357,6 @@ def test_pipeline_stages_are_cut_at_attnres_block_boundaries():
         stage_bounds(nano, 4)
     plain = dataclasses.replace(nano, attn_res_block_size=None)  # Kimi-Linear: a residual stream, any cut
     assert stage_bounds(plain, 2, (4,)) == [(0, 4), (4, 9)] and bank_rows(plain, 4) == 1
-
-
-@pytest.mark.slow(seconds=18)  # two torchrun launches of 2 processes
-def test_two_rank_runs_are_bitwise_deterministic(tmp_path):
-    """The same seed and layout twice under torchrun: identical losses, gradient norms and weights, bit for bit
-    (T9: no nondeterministic reduction order in the collectives or the QB gather)."""
-    a = _run(tmp_path / "a.pt", 2, "shard", steps=2)
-    b = _run(tmp_path / "b.pt", 2, "shard", steps=2)
-    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
-    assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
-    assert all(torch.equal(a["biases"][k], b["biases"][k]) for k in a["biases"])
 
 
 # ---- expert parallelism (parallel.ep) -----------------------------------------------------------------
