@@ -4,6 +4,7 @@ what the agent controls never raises the reward)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from openk3.agent.tasks import (
     split_of,
     tool_arith,
 )
+from openk3.agent.tasks import base
 from openk3.agent.tasks.base import _canonical_bytes, write_tree
 
 ALL = ("data_wrangle", "fix_test", "tool_arith")
@@ -60,9 +62,27 @@ def test_generate_is_deterministic(family):
     for split in SPLITS:
         for difficulty in (1, 2, 3):
             for seed in (0, 1, 17):
-                a, b = generate(family, seed, difficulty, split), generate(family, seed, difficulty, split)
+                a = generate(family, seed, difficulty, split)
+                base._MADE.clear()  # built again, not the kept copy
+                b = generate(family, seed, difficulty, split)
                 assert a == b and a.solution == b.solution and a.grader_key == b.grader_key
     assert generate(family, 0, 2) != generate(family, 1, 2)
+
+
+def test_generate_hands_out_copies_of_the_task_it_made_once(monkeypatch):
+    """`generate` keeps what it built (an evaluation draws the same tasks for every model it scores); each call
+    gets its own copy, and a family replaced under the same name is built afresh."""
+    a = generate("fix_test", 3, 1, "test")
+    a.files["notes.txt"] = "changed"
+    a.tools.append("Nope")
+    a.grader_files.clear()
+    b = generate("fix_test", 3, 1, "test")
+    assert "notes.txt" not in b.files and "Nope" not in b.tools and b.grader_files
+    assert b is not generate("fix_test", 3, 1, "test") and b == generate("fix_test", 3, 1, "test")
+    fam = FAMILIES["fix_test"]
+    monkeypatch.setitem(FAMILIES, "fix_test", dataclasses.replace(
+        fam, build=lambda rng, d, t: {**fam.build(rng, d, t), "instruction": "other"}))
+    assert generate("fix_test", 3, 1, "test").instruction == "other"
 
 
 def test_generate_does_not_depend_on_the_hash_seed():

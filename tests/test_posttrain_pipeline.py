@@ -116,7 +116,7 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert (out / "report.json").read_bytes() == before
 
 
-@pytest.mark.slow(seconds=90)  # 66-90 s, ~52 of them evaluation: 6 models x 3 cells x 16 sandboxed episodes
+@pytest.mark.slow(seconds=70)  # 60-75 s, ~30 of them evaluation: 6 models x 3 cells x 16 sandboxed episodes
 def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_path, capsys):
     from openk3.agent import unavailable_reason
 

@@ -59,6 +59,33 @@ def test_a_shared_prefix_is_prefilled_once_and_continues_exactly(model64):
     assert cached.prefix.stats["hits"] == 2 and len(cached.prefix) == 1
 
 
+def test_prompts_that_branch_like_a_tree_snapshot_at_every_branch_point(model64):
+    """Several cache_prefix lengths (the rollout's branch points: tool declarations shared by all, an effort's
+    system message shared by a cell): each request starts from the deepest stored one it passes, prefills the
+    rest exactly, and a point its own hit passed or one already stored is not stored again."""
+    from openk3.posttrain.rollout import shared_prefixes
+
+    tools, low, high = ids(19, 50), ids(7, 51), ids(5, 52)
+    prompts = [tools + low + ids(4, 53), tools + low + ids(6, 54), tools + high + ids(3, 55), tools + high + ids(9, 56)]
+    points = shared_prefixes(prompts)
+    assert points == [(19, 26), (19, 26), (19, 24), (19, 24)]
+    plain = Engine(model64, max_num_seqs=2, prefill_chunk=8)
+    cached = Engine(model64, max_num_seqs=2, prefill_chunk=8, prefix_cache=8)
+    for p, k in zip(prompts, points, strict=True):
+        assert_same(run(cached, p, cache_prefix=k), run(plain, p))
+    # the tools once, each effort's message once, each problem's own tail
+    assert cached.stats["prompt_tokens"] == 19 + 7 + 4 + 6 + 5 + 3 + 9
+    assert cached.stats["cached_prompt_tokens"] == 26 + 19 + 24
+    assert len(cached.prefix) == 3 and cached.prefix.stats["stored"] == 3
+    # with one snapshot per prompt at its longest shared prefix the high prompts miss the low ones' snapshot
+    one = Engine(model64, max_num_seqs=2, prefill_chunk=8, prefix_cache=8)
+    for p, k in zip(prompts, points, strict=True):
+        run(one, p, cache_prefix=k[-1])
+    assert one.stats["prompt_tokens"] == 19 + 7 + 4 + 6 + 19 + 5 + 3 + 9
+    assert shared_prefixes([[1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 9]]) == [(2, 3), (2, 3), (), (2,)]
+    assert shared_prefixes([[1]]) == [()] and shared_prefixes([]) == []
+
+
 def test_a_finished_turn_continues_with_only_the_new_tokens_prefilled(model64):
     prompt = ids(17, 4)
     plain = Engine(model64, max_num_seqs=2, prefill_chunk=16)
@@ -115,7 +142,7 @@ def test_arguments_are_checked_and_hints_are_free_without_a_cache(model64):
     with pytest.raises(ValueError, match="prefix_cache must be >= 0"):
         Engine(model64, prefix_cache=-1)
     cached = Engine(model64, prefix_cache=2)
-    for bad in (0, 5, 9):
+    for bad in (0, 5, 9, [2, 5], [True], ["3"]):
         with pytest.raises(ValueError, match="cache_prefix must be in 1..4"):
             cached.add_request(ids(5, 40), cache_prefix=bad)
     with pytest.raises(ValueError, match="max_entries"):

@@ -69,11 +69,11 @@ class RequestOutput:
 
 class _Request:
     def __init__(self, rid: str, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int],
-                 stream: TextStream | None, on_output, device, cache_prefix: int | None = None,
+                 stream: TextStream | None, on_output, device, cache_points: tuple[int, ...] = (),
                  keep_cache: bool = False, constraint: Constraint | None = None) -> None:
         self.id, self.prompt, self.params, self.stop_ids = rid, prompt, params, stop_ids
         self.constraint = constraint
-        self.cache_prefix, self.keep_cache = cache_prefix, keep_cache
+        self.cache_points, self.keep_cache = cache_points, keep_cache  # increasing prompt lengths to snapshot at
         self.stream, self.on_output = stream, on_output
         self.generator = None if params.greedy else make_generator(params.seed, device)  # where logits live
         self.out: list[int] = []
@@ -169,14 +169,16 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, on_output: Callable[[RequestOutput], None] | None = None,
                     stop_token_ids: Iterable[int] | None = None, ignore_eos: bool = False,
-                    skip_special_tokens: bool = True, cache_prefix: int | None = None,
+                    skip_special_tokens: bool = True, cache_prefix: int | Sequence[int] | None = None,
                     keep_cache: bool = False) -> str:
         """Queue a request; returns its id. `on_output` is called with every new `RequestOutput`.
 
         stop_token_ids: extra ids that end generation; the tokenizer's stop ids (`<|end_of_msg|>`,
         `[EOS]`) apply unless `ignore_eos`.
         cache_prefix: the first `cache_prefix` prompt tokens are shared with other requests: snapshot the
-            state after them (1 <= cache_prefix < prompt length). keep_cache: when this request finishes
+            state after them (1 <= cache_prefix < prompt length); several lengths snapshot at each (prompts
+            that branch like a tree: a family's tool declarations, then each effort's system message, ...;
+            one already stored, or passed by this request's own hit, is skipped). keep_cache: when this request finishes
             (a stop or a length limit), snapshot its state, so that a next turn that extends the sequence
             prefills only what is new. Both need `Engine(prefix_cache=N)` and are ignored without it.
         """
@@ -184,9 +186,12 @@ class Engine:
         ids = self.encode(prompt)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if cache_prefix is not None and not 1 <= cache_prefix < len(ids):
-            raise ValueError(f"cache_prefix must be in 1..{len(ids) - 1} (the prompt has {len(ids)} tokens), "
-                             f"got {cache_prefix}")
+        points = () if cache_prefix is None else \
+            (cache_prefix,) if isinstance(cache_prefix, int) else tuple(cache_prefix)
+        for k in points:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k < len(ids):
+                raise ValueError(f"cache_prefix must be in 1..{len(ids) - 1} (the prompt has {len(ids)} tokens), "
+                                 f"got {cache_prefix}")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._by_id:
             raise ValueError(f"request id {rid!r} is already in use")
@@ -196,7 +201,8 @@ class Engine:
         stream = TextStream(self.tok, params.stop, skip_special=skip_special_tokens) if self.tok else None
         constraint = self.grammars().start(params.structured, stops) if params.structured is not None else None
         req = _Request(rid, ids, params, stops, stream, on_output, self.device,
-                       cache_prefix if self.prefix is not None else None, keep_cache and self.prefix is not None,
+                       tuple(sorted(set(points))) if self.prefix is not None else (),
+                       keep_cache and self.prefix is not None,
                        constraint)
         self._by_id[rid] = req
         self.waiting.append(req)
@@ -227,14 +233,15 @@ class Engine:
             if req.cache is None:
                 self._start_prefill(req)
             n = min(budget, len(req.prompt) - req.prefilled)
-            if req.cache_prefix is not None and req.prefilled < req.cache_prefix:
-                n = min(n, req.cache_prefix - req.prefilled)  # stop at the shared prefix to snapshot it
+            point = next((k for k in req.cache_points if k > req.prefilled), None)
+            if point is not None:
+                n = min(n, point - req.prefilled)  # stop at the shared prefix to snapshot it
             chunk = torch.tensor([req.prompt[req.prefilled:req.prefilled + n]], device=self.device)
             logits = self.model(chunk, cache=req.cache, mla_impl="naive", last_only=True)
             req.prefilled += n
             budget -= n
             self.stats["prompt_tokens"] += n
-            if req.prefilled == req.cache_prefix:
+            if req.prefilled == point:
                 self.prefix.put(req.prompt[:req.prefilled], req.cache)
             if req.prefilled < len(req.prompt):
                 break  # the rest of this prompt goes in the next steps

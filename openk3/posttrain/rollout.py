@@ -144,7 +144,7 @@ class Sampler:
         # with the engine's prefix cache: shared prompt heads are prefilled once and a next turn continues
         # from the state its previous turn left (infer/prefix.py); `shared` is set per run
         self.snapshots = getattr(engine, "prefix", None) is not None
-        self.shared: dict[int, int] = {}  # id(episode) -> prompt tokens it shares with another episode
+        self.shared: dict[int, tuple[int, ...]] = {}  # id(episode) -> prompt lengths it shares with others
 
     # ---- per turn ------------------------------------------------------------------------------------
 
@@ -160,8 +160,9 @@ class Sampler:
         rid = f"{ep.key}/t{ep.turns}"
         hints = {}
         if self.snapshots:
-            shared = min(self.shared.get(id(ep), 0), len(ep.ids) - 1) if ep.turns == 0 else 0
-            hints = {"cache_prefix": shared if shared >= MIN_SHARED_PREFIX else None, "keep_cache": ep.env is not None}
+            shared = self.shared.get(id(ep), ()) if ep.turns == 0 else ()
+            points = sorted({min(k, len(ep.ids) - 1) for k in shared if k >= MIN_SHARED_PREFIX})
+            hints = {"cache_prefix": points or None, "keep_cache": ep.env is not None}
         try:
             self.engine.add_request(ep.ids, params, request_id=rid, stop_token_ids=self.stop_ids, ignore_eos=True,
                                     **hints)
@@ -244,15 +245,29 @@ class Sampler:
                 raise AssertionError(f"engine idle with episodes still live: {sorted(self.live)}")
 
 
-def shared_prefixes(seqs: Sequence[Sequence[int]]) -> list[int]:
-    """For each sequence, the length of the longest prefix it shares with any other one (0 when alone).
-    The longest is always with a neighbour in sorted order, so this is n log n comparisons."""
+def shared_prefixes(seqs: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """For each sequence, the lengths of the prefixes it shares with the others (the distinct longest common
+    prefixes with each other sequence, increasing; empty when it shares nothing): where the prompts branch.
+    Snapshots at every branch point let each prompt start from the deepest one it passes (tool declarations
+    shared by all, then an effort's system message shared by a cell, then a group's identical prompt), where
+    one snapshot per prompt at its longest shared prefix left most prompts missing every stored one.
+    In sorted order the common prefix with the m-th neighbour is the minimum of the adjacent ones between."""
     order = sorted(range(len(seqs)), key=lambda i: list(seqs[i]))
-    out = [0] * len(seqs)
+    adjacent = []  # adjacent[r]: common prefix of sorted positions r and r + 1
     for a, b in zip(order, order[1:], strict=False):
         x, y = seqs[a], seqs[b]
-        n = next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
-        out[a], out[b] = max(out[a], n), max(out[b], n)
+        adjacent.append(next((k for k, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y))))
+    out: list[tuple[int, ...]] = [()] * len(seqs)
+    for r, i in enumerate(order):
+        lengths = set()
+        for side in (adjacent[r:], adjacent[:r][::-1]):  # neighbours to the right, then to the left
+            run = None
+            for n in side:
+                run = n if run is None else min(run, n)
+                if run == 0:
+                    break
+                lengths.add(run)
+        out[i] = tuple(sorted(lengths))
     return out
 
 

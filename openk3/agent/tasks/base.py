@@ -27,6 +27,7 @@ Everything is a function of (family, seed, difficulty, split): the same argument
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ import shlex
 import shutil
 import sqlite3
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -204,6 +206,26 @@ def generate(family: str, seed: int, difficulty: int = 1, split: str = "train") 
                          f"got {difficulty!r}")
     if split not in SPLITS:
         raise ValueError(f"task split must be one of {list(SPLITS)}, got {split!r}")
+    # Made once per process and handed out as copies: an evaluation draws the same test tasks for every model
+    # it scores, and a test-split task takes ~5 builds (the split is a hash of the instance: ~20 % land in test).
+    key = (family, seed, difficulty, split)
+    hit = _MADE.get(key)
+    if hit is not None and hit[0] is fam:  # (a family replaced under the same name is built afresh)
+        _MADE.move_to_end(key)
+        return copy.deepcopy(hit[1])
+    task = _build(fam, seed, difficulty, split)
+    _MADE[key] = (fam, task)
+    if len(_MADE) > MADE_KEEP:
+        _MADE.popitem(last=False)
+    return copy.deepcopy(task)
+
+
+MADE_KEEP = 1024  # tasks `generate` keeps (a few KB each)
+_MADE: OrderedDict[tuple, tuple[Family, Task]] = OrderedDict()
+
+
+def _build(fam: Family, seed: int, difficulty: int, split: str) -> Task:
+    family = fam.name
     templates = fam.heldout_templates if split == "heldout" else fam.templates
     for attempt in range(MAX_ATTEMPTS):
         # A string seed goes through sha512 in `random`: the stream does not depend on PYTHONHASHSEED.
