@@ -153,10 +153,29 @@ class K3ForCausalLM(nn.Module):
             model = cls(cfg)
         if str(device) == "meta":
             return model.cast(dtype)
-        model = model.to_empty(device=device)
+        model._allocate(device)
         gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         model.init_weights(gen)
         return model.cast(dtype)
+
+    def _allocate(self, device: str | torch.device) -> None:
+        """Uninitialised storage on `device` for every meta tensor: `nn.Module.to_empty`'s result, without its first
+        call's ~0.5 s (meta -> device goes through torch's Python reference ops, set up on first use), which every
+        process that builds a model paid. A tensor shared between modules stays shared."""
+        made: dict[int, torch.Tensor] = {}
+
+        def fresh(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in made:
+                new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                made[id(t)] = nn.Parameter(new, t.requires_grad) if isinstance(t, nn.Parameter) else new
+            return made[id(t)]
+
+        for mod in self.modules():
+            for table in (mod._parameters, mod._buffers):
+                for name, t in table.items():
+                    if t is not None:
+                        assert type(t) in (torch.Tensor, nn.Parameter), f"{name}: {type(t).__name__} on meta"
+                        table[name] = fresh(t)
 
     def cast(self, dtype: torch.dtype) -> "K3ForCausalLM":
         """Cast floating tensors to `dtype`, keeping the fp32 islands in fp32 (or float64)."""
