@@ -480,17 +480,20 @@ def state_idle(state) -> bool:
 
 
 @pytest.fixture(scope="module")
-def one_slot():
-    """A server that runs one request at a time and queues two more (the admission tests share it)."""
-    app = create_app(scripted_builder(1), served_model_name=MODEL, max_queue=2)
+def one_slot(tmp_path_factory):
+    """A server that runs one request at a time and queues two more (the admission tests share it); its engine
+    steps only while the file `gate` exists (it does unless a test removes it)."""
+    gate = tmp_path_factory.mktemp("one-slot") / "gate"
+    gate.touch()
+    app = create_app(scripted_builder(1, gate=str(gate)), served_model_name=MODEL, max_queue=2)
     with served(app) as url:
-        yield url, app.state.openk3
+        yield url, app.state.openk3, gate
 
 
 def test_a_failing_step_fails_only_its_requests(one_slot):
     """In the engine process: a request whose sampling raises gets a 500 envelope (`engine_error`); the one
     running before it, the one waiting behind it and a later one all complete, and the server stays healthy."""
-    url, state = one_slot
+    url, state, gate = one_slot
     comp = {"model": MODEL, "max_tokens": 5}
     results: dict[str, httpx.Response] = {}
 
@@ -502,12 +505,17 @@ def test_a_failing_step_fails_only_its_requests(one_slot):
         with http.stream("POST", "/v1/completions", json=body) as first:  # holds the one slot
             lines = first.iter_lines()
             head = [next(lines)]
+            # the engine holds still while the two others queue behind `first`, in this order (a loaded machine
+            # could otherwise finish first's 40 tokens before the second one arrived)
+            gate.unlink()
             threads = [threading.Thread(target=post, args=("failing", "#script:fail# x"))]
             threads[0].start()
-            wait_until(lambda: state.metrics.waiting == 1)
+            wait_until(lambda: state.loop.in_flight() == 2)
             threads.append(threading.Thread(target=post, args=("behind", "#script:long# y")))
             threads[1].start()
-            wait_until(lambda: state.metrics.waiting == 2)
+            wait_until(lambda: state.loop.in_flight() == 3)
+            gate.touch()
+            wait_until(lambda: state.metrics.waiting == 2 or results)  # the engine has them, waiting behind first
             text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in (*head, *lines)
                            if line.startswith("data: {"))
         assert text == "a" * 40
@@ -549,7 +557,7 @@ def test_engine_process_death_is_503_never_a_hang():
 
 
 def test_full_queue_is_429(one_slot):
-    url, state = one_slot
+    url, state, _ = one_slot
     body = {"model": MODEL, "prompt": "#script:long#", "max_tokens": 3000, "stream": True}
     with httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=body) as running, \
