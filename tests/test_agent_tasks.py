@@ -22,6 +22,7 @@ from openk3.agent.tasks import (
     FAMILIES,
     SPLITS,
     Call,
+    base,
     data_wrangle,
     families,
     fix_test,
@@ -31,7 +32,6 @@ from openk3.agent.tasks import (
     split_of,
     tool_arith,
 )
-from openk3.agent.tasks import base
 from openk3.agent.tasks.base import _canonical_bytes, write_tree
 
 ALL = ("data_wrangle", "fix_test", "tool_arith")

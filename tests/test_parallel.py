@@ -225,9 +225,9 @@ def _openk3_train(out: Path, world: int, *args: str) -> None:
         return
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(ROOT)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", "-m", "openk3"]
-    proc = subprocess.run([*launch, "train", "--out", str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=300)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    proc = subprocess.run([*launch, "-m", "openk3", "train", "--out", str(out), *args], env=env, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
