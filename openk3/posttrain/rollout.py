@@ -161,7 +161,7 @@ class Sampler:
         hints = {}
         if self.snapshots:
             shared = self.shared.get(id(ep), ()) if ep.turns == 0 else ()
-            points = sorted({min(k, len(ep.ids) - 1) for k in shared if k >= MIN_SHARED_PREFIX})
+            points = [p for p in (min(k, len(ep.ids) - 1) for k in shared) if p >= MIN_SHARED_PREFIX]  # engine sorts
             hints = {"cache_prefix": points or None, "keep_cache": ep.env is not None}
         try:
             self.engine.add_request(ep.ids, params, request_id=rid, stop_token_ids=self.stop_ids, ignore_eos=True,
