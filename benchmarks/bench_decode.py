@@ -61,9 +61,9 @@ from openk3.infer.sample import SamplingParams  # noqa: E402
 from openk3.model.accounting import count_params  # noqa: E402
 from openk3.model.model import K3ForCausalLM  # noqa: E402
 from openk3.model.moe import SparseMoE  # noqa: E402
+from openk3.model.packed_experts import pack_model_experts_  # noqa: E402
 from openk3.peers import check_kimi_linear_form, to_transformers  # noqa: E402
 from openk3.quant.mxfp4 import quantize_dequantize  # noqa: E402
-from openk3.quant.packed_experts import pack_model_experts_  # noqa: E402
 
 TARGET_VS_PEER = 5.0  # openk3 decode tokens/s over transformers' at batch 1
 TARGET_BATCH_SCALING = 8.0  # openk3 decode tokens/s at batch 16 over batch 1

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from openk3.ops.kda import CHUNK_SIZE, _kda_chunked_autograd, kda_chunked, kda_recurrent  # noqa: E402
+from openk3.ops.kda import CHUNK_SIZE, kda_chunked, kda_chunked_autograd, kda_recurrent  # noqa: E402
 
 
 def load_fla_naive():
@@ -95,7 +95,7 @@ def main() -> None:
     naive = load_fla_naive() if args.baseline == "fla" else None
     if args.baseline == "autograd":
         base_name = "kda_chunked autograd"
-        base = time_fwd_bwd(lambda *x: _kda_chunked_autograd(*x, scale=scale, chunk_size=C), inputs, args.repeats)
+        base = time_fwd_bwd(lambda *x: kda_chunked_autograd(*x, scale=scale, chunk_size=C), inputs, args.repeats)
         rows.append((base_name, *base))
     elif args.baseline == "fla" and naive is None:
         print("fla not installed: baseline is openk3 kda_recurrent")

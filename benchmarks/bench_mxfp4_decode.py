@@ -40,9 +40,9 @@ from common import machine_line, median, setup_threads, time_interleaved, write_
 from openk3.config import preset  # noqa: E402
 from openk3.model.layers import make_glu  # noqa: E402
 from openk3.model.moe import FUSED_MAX_EXPERT, Experts  # noqa: E402
+from openk3.model.packed_experts import PackedExperts, experts_packed  # noqa: E402
 from openk3.ops import cbuild, moe_cpu, moe_mxfp4_cpu  # noqa: E402
 from openk3.ops import moe as moe_ops  # noqa: E402
-from openk3.quant.packed_experts import PackedExperts, experts_packed  # noqa: E402
 
 
 def other_forms() -> dict:

@@ -118,6 +118,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return d
 
 
+def autocast_context(dtype: str, device: torch.device):
+    """A training dtype setting ("fp32" / "bf16") as a context: bf16 is torch.autocast on the device (parameters
+    stay fp32; the model's fp32 islands upcast)."""
+    if dtype == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
 def seed_everything(seed: int) -> torch.Generator:
     """Seed python, torch (CPU and CUDA); returns a CPU generator seeded the same way."""
     random.seed(seed)

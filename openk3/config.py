@@ -495,7 +495,7 @@ def _build(cls: type, d: Any, source: str, set_aside: list[str] = ()) -> Any:
 
 # ---- presets -------------------------------------------------------------------------------
 
-def _hybrid_layers(num_layers: int) -> list[int]:
+def hybrid_layers(num_layers: int) -> list[int]:
     """K3's rule (spec §1.6): full attention at 1-idx layers 4, 8, ... plus the last layer."""
     return sorted(set(range(4, num_layers + 1, 4)) | {num_layers})
 
@@ -514,7 +514,7 @@ def _k3_family(*, vocab: int, hidden: int, layers: int, kda_heads: int, kda_dim:
         rms_norm_eps=1e-5, attn_res_block_size=block,
         linear_attn_config=LinearAttnConfig(
             num_heads=kda_heads, head_dim=kda_dim, short_conv_kernel_size=4, gate_lower_bound=-5.0,
-            use_full_rank_gate=True, full_attn_layers=_hybrid_layers(layers)),
+            use_full_rank_gate=True, full_attn_layers=hybrid_layers(layers)),
     )
 
 

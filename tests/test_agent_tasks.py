@@ -187,7 +187,8 @@ def test_fix_test_bugs_are_unique_and_change_behaviour():
             assert fn.source.count(correct) == 1, (fn.name, correct)
             buggy = fn.source.replace(correct, bad)
             args = [a for seed in range(3) for a in fn.inputs(random.Random(seed))]
-            assert any(fix_test._call(fn.source, fn.name, a) != fix_test._call(buggy, fn.name, a) for a in args)
+            run = fix_test.run_function
+            assert any(run(fn.source, fn.name, a) != run(buggy, fn.name, a) for a in args)
 
 
 def test_fix_test_visible_tests_fail_then_pass_with_the_fix():

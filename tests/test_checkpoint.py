@@ -21,8 +21,8 @@ from openk3.checkpoint import files as ckfiles
 from openk3.checkpoint import load, read_config, save
 from openk3.config import as_kimi_linear, nano
 from openk3.model.model import K3ForCausalLM
+from openk3.model.packed_experts import PackedExperts
 from openk3.quant.mxfp4 import pack, quantize_dequantize
-from openk3.quant.packed_experts import PackedExperts
 
 ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U8": 1}
 P = "language_model."

@@ -25,8 +25,8 @@ from openk3.__main__ import main
 from openk3.checkpoint import LoadedFormat, load, resolve_checkpoint, save
 from openk3.config import nano
 from openk3.model.model import K3ForCausalLM
+from openk3.model.packed_experts import PackedExperts, pack_model_experts_
 from openk3.quant.mxfp4 import unpack
-from openk3.quant.packed_experts import PackedExperts, pack_model_experts_
 
 P = "language_model."
 EXPERT = P + "model.layers.1.block_sparse_moe.experts.3.w2."
@@ -131,7 +131,7 @@ def test_foreign_mxfp4_bytes_reencode_to_the_same_values(tmp_path):
 # ---- B6: a training run folder --------------------------------------------------------------------
 
 def test_load_and_info_open_the_latest_checkpoint_of_a_run(model, tmp_path, capsys):
-    from openk3.train.state import save_checkpoint
+    from openk3.checkpoint.steps import save_checkpoint
 
     run = tmp_path / "run"
     other = K3ForCausalLM.build(nano(), dtype=torch.float32, seed=4)

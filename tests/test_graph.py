@@ -133,8 +133,8 @@ def test_compiled_step_on_packed_mxfp4_experts(monkeypatch):
     """A model with MXFP4-packed experts (`keep_packed=True` loads) decodes compiled: every MoE layer of the
     graph calls the MXFP4 kernel as `openk3::experts_mxfp4`; greedy tokens equal the eager engine's, logits
     within fp32 rounding. (About 25 s of compiling on one CPU core, cold cache.)"""
+    from openk3.model.packed_experts import pack_model_experts_
     from openk3.ops import moe_mxfp4_cpu
-    from openk3.quant.packed_experts import pack_model_experts_
 
     if not moe_mxfp4_cpu.available():
         pytest.skip("no C compiler: compiled decode of packed experts is refused (tested in test_moe_mxfp4_cpu.py)")

@@ -130,7 +130,7 @@ def test_keep_packed_loads_mxfp4_experts_packed_and_decodes(tmp_path):
     """`LLM(path, keep_packed=True)` on an MXFP4 checkpoint keeps the experts packed (what the release
     ships), decodes through the MXFP4 kernel, and its greedy tokens are the argmax of full forwards; an
     in-memory model is refused (nothing to keep)."""
-    from openk3.quant import PackedExperts
+    from openk3.model.packed_experts import PackedExperts
 
     path = tmp_path / "mx"
     openk3.save(openk3.K3ForCausalLM.build(openk3.preset("nano"), seed=0), path, experts_format="mxfp4",
@@ -181,7 +181,7 @@ def test_auto_dtype_computes_a_bf16_checkpoint_in_float32_on_cpu_and_says_so(tmp
 
 def test_auto_dtype_keeps_packed_mxfp4_experts_packed(tmp_path):
     """The float32 choice applies to the trunk: MXFP4 experts loaded with keep_packed stay packed bytes."""
-    from openk3.quant import PackedExperts
+    from openk3.model.packed_experts import PackedExperts
 
     llm = LLM(_bf16_checkpoint(tmp_path / "mx", experts_format="mxfp4"), keep_packed=True)
     packed = [m for m in llm.model.modules() if isinstance(m, PackedExperts)]

@@ -15,10 +15,10 @@ from test_ops_moe import GLUS, _inputs
 from openk3.config import preset
 from openk3.infer.graph import DecodeGraph
 from openk3.model.model import K3ForCausalLM
+from openk3.model.packed_experts import pack_model_experts_
 from openk3.ops import cbuild, moe_mxfp4_cpu
 from openk3.ops.moe import experts_loop
 from openk3.quant.mxfp4 import pack, unpack
-from openk3.quant.packed_experts import pack_model_experts_
 
 pytestmark = pytest.mark.isa  # results depend on the CPU's kernels: .ci/run reruns them with AVX2 only
 

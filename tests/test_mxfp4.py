@@ -13,18 +13,9 @@ from openk3.config import nano
 from openk3.model.layers import situ_glu, swiglu
 from openk3.model.model import K3ForCausalLM
 from openk3.model.moe import Experts
+from openk3.model.packed_experts import PackedExperts, experts_packed, pack_model_experts_, unpack_model_experts_
 from openk3.ops.moe import experts_grouped, experts_loop
-from openk3.quant import (
-    E2M1_VALUES,
-    GROUP,
-    PackedExperts,
-    bits_per_weight,
-    experts_packed,
-    pack,
-    pack_model_experts_,
-    unpack,
-    unpack_model_experts_,
-)
+from openk3.quant import E2M1_VALUES, GROUP, bits_per_weight, pack, unpack
 
 SPEC_TABLE = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 MAGS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)

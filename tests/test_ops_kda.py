@@ -379,7 +379,7 @@ def test_custom_backward_matches_autograd_twin(T, chunk_size, gate, docs, custom
         return lambda q, k, v, g, beta, h0: fn(q, k, v, g, beta, scale=0.3, initial_state=h0, doc_start=doc_start,
                                                 chunk_size=chunk_size)
 
-    o_twin, s_twin, g_twin = _grads(run(kda_mod._kda_chunked_autograd), inputs)
+    o_twin, s_twin, g_twin = _grads(run(kda_mod.kda_chunked_autograd), inputs)
     assert not custom_backward_calls
     o, s, grads = _grads(run(kda_chunked), inputs)
     assert custom_backward_calls, "kda_chunked must use its hand-written backward on non-steep decays"
@@ -397,7 +397,7 @@ def test_custom_backward_single_output_and_fp32(custom_backward_calls):
         inputs = make_inputs(B, T, H, K, V, dtype=dtype, seed=9, gate="k3") + [make_state(B, H, K, V, dtype=dtype)]
         for pick in (0, 1):
             grads = []
-            for fn in (kda_chunked, kda_mod._kda_chunked_autograd):
+            for fn in (kda_chunked, kda_mod.kda_chunked_autograd):
                 xs = [x.detach().clone().requires_grad_() for x in inputs]
                 out = fn(*xs[:5], scale=0.25, initial_state=xs[5], chunk_size=32)[pick]
                 grads.append(torch.autograd.grad(out.square().sum(), xs))

@@ -24,11 +24,11 @@ from helpers import nano_cut
 
 import openk3
 from openk3.chat import OPEN, SEP
+from openk3.checkpoint import runs
 from openk3.infer.engine import Engine
 from openk3.posttrain.mopd import MOPDConfig, distill, draw_cells, floor_gaps, mopd_step, read_teacher_map
 from openk3.posttrain.records import byte_tokenizer
 from openk3.posttrain.rollout import Problem, RolloutConfig
-from openk3.train import state as train_state
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -301,7 +301,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(ckpts, command_run, tmp_p
     with pytest.raises(Killed):
         distill(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN), tmp_path / "killed",
                 on_step=kill_at_2)
-    assert [s for s, _ in train_state.list_checkpoints(tmp_path / "killed")] == [1]
+    assert [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
     last = distill(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN), tmp_path / "killed")
     assert last["step"] == 3
 

@@ -23,13 +23,13 @@ from helpers import nano_cut
 
 import openk3
 from openk3.chat import CLOSE, END_OF_MSG, OPEN, SEP, encode_segments, render
+from openk3.checkpoint import runs
 from openk3.infer.engine import Engine, RequestOutput
 from openk3.posttrain import rl_problems
 from openk3.posttrain.budget import annealed_budget, think_budget
 from openk3.posttrain.records import byte_tokenizer, think_tokens
 from openk3.posttrain.rl import RLConfig, make_batch, rl, rl_step, token_logprobs
 from openk3.posttrain.rollout import Problem, RolloutConfig, rollout
-from openk3.train import state as train_state
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -413,7 +413,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(base, command_run, tmp_pa
 
     with pytest.raises(Killed):
         rl(RLConfig(model=str(base), **RUN), tmp_path / "killed", on_step=kill_at_2)
-    assert [s for s, _ in train_state.list_checkpoints(tmp_path / "killed")] == [1]
+    assert [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
     last = rl(RLConfig(model=str(base), **RUN), tmp_path / "killed")
     assert last["step"] == 3
 

@@ -17,10 +17,10 @@ from helpers import nano_cut
 
 import openk3
 from openk3.chat import encode_segments, render
+from openk3.checkpoint import runs
 from openk3.posttrain.sft import SFTConfig, apply_overrides, sft
 from openk3.posttrain.sft_data import IGNORE_INDEX, SFTLoader, load_conversations, make_batch, pack
 from openk3.tokenizer import Tokenizer
-from openk3.train import state as train_state
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.optim import OptimConfig
 
@@ -299,7 +299,7 @@ def test_run_writes_a_loadable_chat_checkpoint_and_loss_falls(ref):
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got[6] < 0.75 * got[1]
     assert (out / "loss.png").stat().st_size > 0 and (out / "sft_config.json").is_file()
     ckpt = out / "checkpoints" / "step_000006"
-    assert (ckpt / "tiktoken.model").is_file() and (ckpt / train_state.STATE_FILE).is_file()
+    assert (ckpt / "tiktoken.model").is_file() and (ckpt / runs.STATE_FILE).is_file()
     model = openk3.load(out)  # the run folder opens as its latest checkpoint
     assert model.config.num_hidden_layers == 4
     tok = byte_tokenizer()
@@ -343,7 +343,7 @@ def test_kill_and_resume_reproduces_the_run_exactly(ref, base, data, tmp_path, c
 
     with pytest.raises(Killed):
         sft(tiny(base, data), out, progress=False, on_event=kill_at_step_5)
-    assert train_state.find_latest(out).name == "step_000003" and max(losses(out)) == 5
+    assert runs.find_latest(out).name == "step_000003" and max(losses(out)) == 5
     capsys.readouterr()
     summary = sft(tiny(base, data), out, progress=False)
     assert "resuming from step 3" in capsys.readouterr().out and summary["resumed_from"] == 3

@@ -17,6 +17,7 @@ import torch
 from test_train_resume import BASE, Killed, ckpt, copy_run, reference_run, tiny, tiny_disk, train_losses
 
 import openk3
+from openk3.checkpoint import runs, steps
 from openk3.train import state as train_state
 from openk3.train.config import TrainConfig
 from openk3.train.metrics import read_metrics
@@ -39,7 +40,7 @@ def files_of(folder: Path) -> dict[str, bytes]:
 def test_a_resave_killed_between_its_two_renames_keeps_the_step(ref, tmp_path, monkeypatch):
     out, _ = copy_run(ref, tmp_path / "run")
     model = openk3.load(ckpt(out, 4), dtype=torch.float32)
-    state = train_state.load_trainer_state(ckpt(out, 4))
+    state = steps.load_trainer_state(ckpt(out, 4))
     real = os.replace
 
     def replace(src, dst):  # the kill comes after step_4 is moved aside, before the new copy is moved in
@@ -50,7 +51,7 @@ def test_a_resave_killed_between_its_two_renames_keeps_the_step(ref, tmp_path, m
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)  # SIGKILL runs no clean-up
     with pytest.raises(Killed):
-        train_state.save_checkpoint(out, 4, model, state)
+        steps.save_checkpoint(out, 4, model, state)
     monkeypatch.undo()
     root = out / "checkpoints"
     assert not ckpt(out, 4).exists() and len(list(root.glob(".old-step_000004-*"))) == 1  # its only copy
@@ -136,16 +137,16 @@ def test_rerunning_a_finished_run_writes_no_checkpoint_and_no_second_eval(ref, t
     assert summary["resumed_from"] == 4 and saves == []
     assert [r["step"] for r in evals] == [4] and summary["val_bpb"] == evals[0]["val_bpb"]
     # the final eval runs before the last save, so the checkpoint holds it
-    history = train_state.load_trainer_state(ckpt(ref, 4))["history"]
+    history = steps.load_trainer_state(ckpt(ref, 4))["history"]
     assert [h["step"] for h in history if h["kind"] == "eval"] == [4]
 
 
 def test_a_run_finished_before_the_eval_was_saved_is_not_evaluated_twice(ref, tmp_path):
     """Runs finished by older versions saved the last step before the final eval: it is only in metrics.jsonl."""
     out, cfg = copy_run(ref, tmp_path / "run")
-    state = train_state.load_trainer_state(ckpt(out, 4))
+    state = steps.load_trainer_state(ckpt(out, 4))
     state["history"] = [h for h in state["history"] if h["kind"] != "eval"]
-    train_state.write_trainer_state(ckpt(out, 4) / train_state.STATE_FILE, state)
+    steps.write_trainer_state(ckpt(out, 4) / runs.STATE_FILE, state)
     summary = train(cfg, out, progress=False)
     evals = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == [4] and summary["val_bpb"] == evals[0]["val_bpb"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from openk3.train import state as train_state
+from openk3.checkpoint import runs, steps
 from openk3.train.config import RESUME_FREE, TrainConfig, apply_overrides
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.trainer import train
@@ -63,7 +63,7 @@ def copy_run(ref: Path, dst: Path) -> tuple[Path, TrainConfig]:
 
 
 def ckpt(out: Path, step: int) -> Path:
-    return out / "checkpoints" / train_state.step_dir_name(step)
+    return out / "checkpoints" / runs.step_dir_name(step)
 
 
 # ---- B5: the checkpoint's special ids are the tokenizer's ---------------------------------------------
@@ -91,7 +91,7 @@ def test_checkpoint_config_carries_the_tokenizers_special_ids(ref):
 
 def test_truncated_trainer_state_falls_back_to_the_previous_checkpoint(ref, tmp_path, capsys):
     out, cfg = copy_run(ref, tmp_path / "run")
-    state = ckpt(out, 4) / train_state.STATE_FILE
+    state = ckpt(out, 4) / runs.STATE_FILE
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # a disk that filled mid-write
     capsys.readouterr()
     summary = train(cfg, out, progress=False)
@@ -99,7 +99,7 @@ def test_truncated_trainer_state_falls_back_to_the_previous_checkpoint(ref, tmp_
     assert summary["resumed_from"] == 2
     assert "warning" in err and str(state) in err and "step_000002" in err
     assert train_losses(out) == train_losses(ref)  # steps 3-4 retrained exactly
-    assert train_state.load_trainer_state(ckpt(out, 4))["step"] == 4  # and the damaged one rewritten
+    assert steps.load_trainer_state(ckpt(out, 4))["step"] == 4  # and the damaged one rewritten
 
 
 def test_truncated_weights_fall_back_to_the_previous_checkpoint(ref, tmp_path, capsys):
@@ -115,7 +115,7 @@ def test_truncated_weights_fall_back_to_the_previous_checkpoint(ref, tmp_path, c
 def test_no_loadable_checkpoint_is_an_error_listing_each(ref, tmp_path):
     out, cfg = copy_run(ref, tmp_path / "run")
     for step in (2, 4):
-        (ckpt(out, step) / train_state.STATE_FILE).write_bytes(b"not a torch file")
+        (ckpt(out, step) / runs.STATE_FILE).write_bytes(b"not a torch file")
     with pytest.raises(ValueError, match="no checkpoint can be resumed from") as e:
         train(cfg, out, progress=False)
     assert "step_000002" in str(e.value) and "step_000004" in str(e.value)
@@ -136,7 +136,7 @@ def test_temp_folders_of_a_killed_save_are_removed_on_resume(ref, tmp_path, monk
     monkeypatch.setattr(files, "write_weights", dies)
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: None)
     with pytest.raises(Killed):
-        train_state.save_checkpoint(out, 6, model, {"step": 6})
+        steps.save_checkpoint(out, 6, model, {"step": 6})
     monkeypatch.undo()
     left = [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     assert len(left) == 1 and left[0].startswith("..tmp-step_000006-")  # the name the writer really uses
@@ -181,7 +181,7 @@ def test_allowed_change_uses_new_settings_and_keeps_the_old_config(ref, tmp_path
     assert entry["previous"] == original and "optim.lr: 0.003 -> 0.001" in entry["changes"]
     step5 = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["kind"] == "train"][-1]
     assert step5["step"] == 5 and step5["lr"] <= 1e-3  # the new peak LR is the one in force
-    assert train_state.load_trainer_state(ckpt(out, 5))["config"]["optim"]["lr"] == 1e-3
+    assert steps.load_trainer_state(ckpt(out, 5))["config"]["optim"]["lr"] == 1e-3
 
 
 def test_free_fields_do_not_touch_the_maths():
@@ -357,7 +357,7 @@ def test_out_alone_resumes_a_run_made_with_non_default_settings(ref, capsys):
     assert run_cli(["--out", str(out)], capsys)[0] == 0
     rc, err = run_cli(["--out", str(out), "--max-steps", "5"], capsys)
     assert rc == 0, err
-    state = train_state.load_trainer_state(ckpt(out, 5))
+    state = steps.load_trainer_state(ckpt(out, 5))
     assert state["step"] == 5 and state["config"]["batch_size"] == 2 and state["config"]["seq_len"] == 32
     assert state["config"]["data"]["max_bytes"] == 200000
 
@@ -414,7 +414,7 @@ def test_cuda_without_cuda_is_a_value_error_before_anything_is_written(tmp_path)
 def test_clean_leftovers_knows_every_temp_name_the_writers_use(tmp_path):
     """The temporaries of a kill at any point: save folders, openk3.save's sibling, write_trainer_state's
     file and fsutil.write_atomic's `latest.tmp.<pid>.<hex>`; finished checkpoints and `latest` stay."""
-    from openk3.train.state import checkpoint_root, clean_leftovers
+    from openk3.checkpoint.runs import checkpoint_root, clean_leftovers
 
     root = checkpoint_root(tmp_path)
     root.mkdir(parents=True)

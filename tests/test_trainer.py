@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from openk3.checkpoint import runs as run_folder
+from openk3.checkpoint import steps
 from openk3.config import preset
-from openk3.train import state as train_state
+from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.train.balance import RoutingRecorder
 from openk3.train.config import TrainConfig, apply_overrides, parse_value
 from openk3.train.metrics import losses_by_step, read_metrics
-from openk3.train.trainer import enable_activation_checkpointing, train
+from openk3.train.trainer import train
 
 # nano cut to 4 layers (3 KDA + 1 MLA, dense and MoE FFNs, two AttnRes blocks): every layer kind at half the cost
 BASE = ["model.vocab_size=1024", "model.num_hidden_layers=4", "data.max_bytes=300000", "seq_len=32", "batch_size=2",
@@ -170,15 +172,15 @@ def test_kill_and_resume_reproduces_losses_exactly(run_a, runs, capsys):
     with pytest.raises(Killed):
         train(cfg, out, progress=False, on_event=kill_at_step_3)
     assert max(train_losses(out)) == 3  # step 3 was logged ...
-    assert train_state.find_latest(out).name == "step_000002"  # ... but only step 2 saved
+    assert run_folder.find_latest(out).name == "step_000002"  # ... but only step 2 saved
     capsys.readouterr()
     summary = train(cfg, out, progress=False)
     assert "resuming from step 2" in capsys.readouterr().out
     assert summary["resumed_from"] == 2
     assert train_losses(out) == train_losses(ref_out)  # bit for bit
     assert summary["val_bpb"] == run_a[1]["val_bpb"]
-    a = train_state.load_trainer_state(ref_out / "checkpoints" / "step_000004")
-    b = train_state.load_trainer_state(out / "checkpoints" / "step_000004")
+    a = steps.load_trainer_state(ref_out / "checkpoints" / "step_000004")
+    b = steps.load_trainer_state(out / "checkpoints" / "step_000004")
     assert a["history"] == b["history"] and a["loader"] == b["loader"]
     from safetensors.torch import load_file
 
@@ -191,7 +193,7 @@ def test_kill_inside_checkpoint_save_resumes_from_previous(run_a, runs, monkeypa
     ref_out, _ = run_a
     out = runs / "C"
     cfg = tiny(tokenizer=str(ref_out / "tokenizer"))
-    real = train_state.write_trainer_state
+    real = steps.write_trainer_state
 
     def torn(path, state):
         if state["step"] == 4:
@@ -199,11 +201,11 @@ def test_kill_inside_checkpoint_save_resumes_from_previous(run_a, runs, monkeypa
             raise Killed
         real(path, state)
 
-    monkeypatch.setattr(train_state, "write_trainer_state", torn)
+    monkeypatch.setattr(steps, "write_trainer_state", torn)
     with pytest.raises(Killed):
         train(cfg, out, progress=False)
-    monkeypatch.setattr(train_state, "write_trainer_state", real)
-    assert train_state.find_latest(out).name == "step_000002"
+    monkeypatch.setattr(steps, "write_trainer_state", real)
+    assert run_folder.find_latest(out).name == "step_000002"
     assert not (out / "checkpoints" / "step_000004").exists()
     # a kill leaves the temp folder behind (the exception path removes it; simulate the SIGKILL case)
     (out / "checkpoints" / ".tmp-step_000004-99999").mkdir()
@@ -221,7 +223,7 @@ def test_torn_metrics_line_and_stale_latest_are_tolerated(run_a, runs):
     with open(out / "metrics.jsonl", "a") as fh:
         fh.write('{"kind": "train", "step": 3, "lo')  # killed mid-line
     (out / "checkpoints" / "latest").write_text("step_000009\n")  # names nothing complete
-    assert train_state.find_latest(out).name == "step_000002"
+    assert run_folder.find_latest(out).name == "step_000002"
     summary = train(dataclasses.replace(cfg, max_steps=4), out, progress=False)
     assert summary["resumed_from"] == 2
     losses = train_losses(out)
@@ -240,7 +242,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     for ckpt in (False, True):
         model = K3ForCausalLM.build(cfg, seed=0)
         if ckpt:
-            enable_activation_checkpointing(model)
+            apply_activation_checkpointing(model)
         recorder = RoutingRecorder(model).enable()
         model(ids).logsumexp(-1).mean().backward()
         # the forwards re-run inside backward are not routing records (QB would count them twice)
@@ -295,7 +297,7 @@ def test_cli_with_every_option(run_a, runs, capsys):
     recs = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["kind"] == "train"]
     assert len(recs) == 2 and all("aux_loss" in r and r["qk_clipped_heads"] > 0 for r in recs)
     assert TrainConfig.from_json(out / "train_config.json").activation_checkpointing is True
-    assert train_state.find_latest(out).name == "step_000002"  # saved at the end even with save_every=0
+    assert run_folder.find_latest(out).name == "step_000002"  # saved at the end even with save_every=0
     assert main(["train", "--out", str(out), "--no-resume", "--no-progress", *BASE]) == 2  # refuses
     assert main(["train", "--out", str(out / "x"), "--no-progress", "optim.lrr=1"]) == 2
     assert "did you mean" in capsys.readouterr().err

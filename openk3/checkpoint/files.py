@@ -129,7 +129,7 @@ def weight_map(folder: Path) -> dict[str, str]:
         bad = sorted(f"{k!r}: {v!r}" for k, v in wm.items() if os.path.basename(v) != v or v in ("", ".", ".."))
         if bad:
             raise ValueError(f"{index}: weight_map entries must name shard files inside the folder (plain file "
-                             f"names), got {_some(bad, 4)}")
+                             f"names), got {some_names(bad, 4)}")
         return wm
     single = folder / SINGLE
     if not single.exists():
@@ -205,16 +205,16 @@ def _read_headers(folder: Path, by_file: dict[str, list[str]], handles: dict[str
         keys = set(h.keys())
         absent = sorted(set(names) - keys)
         if absent:
-            raise ValueError(f"{folder / INDEX}: names tensors that shard {file} does not hold: {_some(absent)}")
+            raise ValueError(f"{folder / INDEX}: names tensors that shard {file} does not hold: {some_names(absent)}")
         extra = sorted(keys - set(names))
         if extra:
-            raise ValueError(f"{path}: holds tensors that {INDEX} does not name: {_some(extra)}")
+            raise ValueError(f"{path}: holds tensors that {INDEX} does not name: {some_names(extra)}")
         for name in names:
             sl = h.get_slice(name)
             info[name] = (sl.get_dtype(), list(sl.get_shape()))
 
 
-def _some(names: Iterable[str], limit: int = 12) -> str:
+def some_names(names: Iterable[str], limit: int = 12) -> str:
     names = list(names)
     head = ", ".join(names[:limit])
     return head + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

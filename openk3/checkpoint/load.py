@@ -55,7 +55,7 @@ def read_config(path) -> K3Config:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The checkpoint folder `path` names: a checkpoint folder itself (it has config.json), its
     config.json, or a training run folder (`openk3 train --out DIR`, or its `checkpoints/` folder), whose
-    latest complete checkpoint is used (`checkpoints/latest`, see `openk3.train.state.find_latest`).
+    latest complete checkpoint is used (`checkpoints/latest`, see `openk3.checkpoint.runs.find_latest`).
 
     Raises FileNotFoundError for a path that does not exist, ValueError naming the path otherwise.
     """
@@ -71,7 +71,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if (p / "config.json").exists():  # a folder (or other non-file) where config.json goes
         raise ValueError(f"{p / 'config.json'}: not a file; a checkpoint's config.json must be a JSON file")
     # lazily: the run layout belongs to openk3.train, which a plain checkpoint load never needs
-    from openk3.train.state import checkpoint_root, find_latest
+    from openk3.checkpoint.runs import checkpoint_root, find_latest
 
     run = p.parent if p.name == "checkpoints" and not checkpoint_root(p).is_dir() else p
     ckpt = find_latest(run)
@@ -135,7 +135,7 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
             islands fp32; MXFP4 experts unpacked to the trunk dtype). A dtype casts like
             `K3ForCausalLM.cast` (islands stay fp32 unless float64).
         device: where the tensors go (each is moved as it is read; peak host memory ~ one model).
-        keep_packed: MXFP4 experts stay packed (`openk3.quant.PackedExperts`, 4.25 bits/weight) instead
+        keep_packed: MXFP4 experts stay packed (`openk3.model.packed_experts.PackedExperts`, 4.25 bits/weight) instead
             of being unpacked (exactly) to `dtype`. No effect on a checkpoint with float experts.
 
     The model gets `loaded_format` (`LoadedFormat`: the experts format and MXFP4 `quantization_config`
@@ -225,7 +225,7 @@ def _check(folder: Path, cfg: K3Config, fmt: str, prefix: str, entries: list[Ent
     for title, names in (("missing tensors", missing), ("unexpected tensors", unexpected),
                          ("wrong shape", shapes), ("wrong dtype", dtypes)):
         if names:
-            lines.append(f"  {title} ({len(names)}): {files._some(names)}")
+            lines.append(f"  {title} ({len(names)}): {files.some_names(names)}")
     lines += _hints(prefix, fmt, missing, unexpected)
     raise ValueError("\n".join(lines))
 
@@ -256,7 +256,7 @@ class _Filler:
         self.stacks: dict[str, list] = {}  # param (or param_packed/_scale) -> [tensor, experts still to fill]
         self.half: dict[tuple[str, int], torch.Tensor] = {}  # an expert's packed codes awaiting its scales
         if packed_in_memory:
-            from openk3.quant.packed_experts import PackedExperts
+            from openk3.model.packed_experts import PackedExperts
 
             for mod in list(model.modules()):
                 if type(mod).__name__ == "SparseMoE":

@@ -32,8 +32,8 @@ def carried_files(src: str) -> dict[str, str]:
     code, READMEs, ... (every plain file except the weights and what `save` rewrites)."""
     from pathlib import Path
 
+    from openk3.checkpoint.runs import STATE_FILE  # a training checkpoint's optimizer state: not a model's
     from openk3.checkpoint.save import writes_itself
-    from openk3.train.state import STATE_FILE  # a training checkpoint's optimizer state: not a model's
 
     return {p.name: str(p) for p in sorted(Path(src).iterdir())
             if p.is_file() and not writes_itself(p.name) and p.name != STATE_FILE}

@@ -48,7 +48,7 @@ def file_summary(path: str, read_data: bool = False) -> tuple[str, dict, object]
         checkpoint_files.close(handles)
     if bad:
         raise ValueError(f"{inv.folder}: {len(bad)} tensor(s) hold NaN or inf values (a diverged run, or a corrupt "
-                         f"file): {checkpoint_files._some(bad, 8)}")
+                         f"file): {checkpoint_files.some_names(bad, 8)}")
     by_dtype: dict[str, dict[str, int]] = {}
     for dtype, shape in inv.headers.values():
         numel = 1

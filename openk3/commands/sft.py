@@ -52,7 +52,7 @@ def _files(text: str) -> tuple[str, ...]:
 
 def run_config(args: argparse.Namespace) -> Path | None:
     """OUT/sft_config.json when this command resumes the run in --out, else None."""
-    from openk3.train.state import has_checkpoint
+    from openk3.checkpoint.runs import has_checkpoint
 
     path = Path(args.out) / "sft_config.json"
     return path if args.resume and path.is_file() and has_checkpoint(args.out) else None

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_config(args: argparse.Namespace) -> Path | None:
     """`OUT/train_config.json` when this command resumes the run in --out (no --config; OUT holds a
     checkpoint and its config), else None."""
-    from openk3.train.state import has_checkpoint
+    from openk3.checkpoint.runs import has_checkpoint
 
     if args.config is not None or not args.resume:
         return None

@@ -38,10 +38,10 @@ import numpy as np
 import torch
 
 from openk3.data.shards import TokenSplit
+from openk3.ops.loss import IGNORE_INDEX
 
 __all__ = ["IGNORE_INDEX", "PackedLoader", "bits_per_byte", "eval_batches", "evaluate_bpb", "make_rows"]
 
-IGNORE_INDEX = -100
 
 
 def _check_shape(split: TokenSplit, batch_size: int, seq_len: int) -> None:

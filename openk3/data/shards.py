@@ -142,7 +142,7 @@ def dataset_key(cfg: DataConfig, tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _token_dtype(vocab_size: int) -> np.dtype:
+def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
@@ -257,7 +257,7 @@ def _tokenise_into(folder: str, cfg: DataConfig, tokenizer, progress: bool) -> d
     eos = tokenizer.eos_id
     if eos is None:
         raise ValueError("the tokenizer has no eos id (tokenizer_config eos_token or [EOS]): documents need one")
-    dtype = _token_dtype(tokenizer.vocab_size)
+    dtype = token_dtype(tokenizer.vocab_size)
     writers = {name: _SplitWriter(folder, name, dtype) for name in SPLITS}
     try:
         with tqdm(desc="tokenising", unit="B", unit_scale=True, total=cfg.max_bytes, file=sys.stderr,

@@ -164,7 +164,7 @@ class LLM:
         if isinstance(path_or_model, torch.nn.Module):
             if keep_packed:
                 raise ValueError("keep_packed applies to a checkpoint path; pack an in-memory model's experts with "
-                                 "openk3.quant.pack_model_experts_(model)")
+                                 "openk3.model.packed_experts.pack_model_experts_(model)")
             model = path_or_model
             if dtype is not None:
                 model = model.cast(dtype) if hasattr(model, "cast") else model.to(dtype)

@@ -33,6 +33,12 @@ def _query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
+    # How `forward` calls the two sub-layers (`attn`, `ffn`): None calls them directly; set from outside (only by
+    # `openk3.parallel.ac`: activation checkpointing) to a callable `wrap(fn, *args)` that must return `fn(*args)`.
+    # An attention call given a decode state never goes through it: MLA extends that state in place, so a re-run
+    # (a recompute in the backward) would extend it twice.
+    sublayer_wrapper = None
+
     def __init__(self, cfg: K3Config, layer: int) -> None:
         super().__init__()
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -64,6 +70,11 @@ class DecoderLayer(nn.Module):
             return self.self_attn(x_BTD, seg_BT=seg_BT, state=state, impl=mla_impl)
         return self.self_attn(x_BTD, seg_BT=seg_BT, state=state)
 
+    def sublayer(self, fn, *args, stateless: bool = True):
+        """`fn(*args)`, through `sublayer_wrapper` when one is set and the call is `stateless`."""
+        wrap = self.sublayer_wrapper
+        return fn(*args) if wrap is None or not stateless else wrap(fn, *args)
+
     def mix(self, site: str, cands: list[torch.Tensor]) -> torch.Tensor:
         query = _query(getattr(self, f"{site}_res_norm"), getattr(self, f"{site}_res_proj"))
         return attn_res_mix(cands, query, self.eps)
@@ -76,19 +87,22 @@ class DecoderLayer(nn.Module):
         the running sum of sub-layer outputs in the current block (`prefix`) and `blocks` the snapshots of
         the earlier ones; a snapshot layer starts a new block. There is no ordinary residual stream then.
         """
+        stateless = state is None
         if blocks is None:
-            a_BTD, state = self.attn(self.input_layernorm(x_BTD), seg_BT, state, mla_impl)
+            a_BTD, state = self.sublayer(self.attn, self.input_layernorm(x_BTD), seg_BT, state, mla_impl,
+                                         stateless=stateless)
             h_BTD = x_BTD + a_BTD
-            return h_BTD + self.ffn(self.post_attention_layernorm(h_BTD), moe_impl), None, state
+            return h_BTD + self.sublayer(self.ffn, self.post_attention_layernorm(h_BTD), moe_impl), None, state
         prefix: torch.Tensor | None = x_BTD
         h_BTD = self.mix("self_attention", blocks + [prefix]) if blocks else prefix
         if self.is_snapshot:
             blocks = blocks + [prefix]
             prefix = None
-        a_BTD, state = self.attn(self.input_layernorm(h_BTD), seg_BT, state, mla_impl)
+        a_BTD, state = self.sublayer(self.attn, self.input_layernorm(h_BTD), seg_BT, state, mla_impl,
+                                     stateless=stateless)
         prefix = a_BTD if prefix is None else prefix + a_BTD
         m_BTD = self.mix("mlp", blocks + [prefix])
-        return prefix + self.ffn(self.post_attention_layernorm(m_BTD), moe_impl), blocks, state
+        return prefix + self.sublayer(self.ffn, self.post_attention_layernorm(m_BTD), moe_impl), blocks, state
 
 
 class K3Model(nn.Module):
@@ -108,29 +122,53 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
                 cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "auto") -> torch.Tensor:
-        """Token ids [B, T] -> final hidden states [B, T, D] (after `model.norm`)."""
-        x_BTD = self.embed_tokens(input_ids_BT)
+        """Token ids [B, T] -> final hidden states [B, T, D] (after `model.norm`): `embed`, `run_layers` over
+        every layer, `output` (a pipeline stage runs the same pieces over its own layers)."""
+        x_BTD = self.embed(input_ids_BT)
         B = x_BTD.shape[0]
         if cache is not None:
             for i, layer in enumerate(self.layers):
                 if cache.layers[i] is None:
                     cache.layers[i] = layer.self_attn.empty_state(B, x_BTD.device, x_BTD.dtype)
-        states = cache.layers if cache is not None else [None] * len(self.layers)
-        if not self.config.use_attn_res:
-            h_BTD = x_BTD
-            for i, layer in enumerate(self.layers):
-                h_BTD, _, states[i] = layer(h_BTD, seg_BT, states[i], mla_impl, moe_impl)
-        else:
-            # Block AttnRes (spec §3, §4.3): `prefix` is the running sum of sub-layer outputs in the
-            # current block, `blocks` the snapshots; there is no ordinary residual stream.
-            prefix, blocks = x_BTD, []
-            for i, layer in enumerate(self.layers):
-                prefix, blocks, states[i] = layer(prefix, seg_BT, states[i], mla_impl, moe_impl, blocks=blocks)
-            h_BTD = attn_res_mix(blocks + [prefix], _query(self.output_attn_res_norm, self.output_attn_res_proj),
-                                 self.config.rms_norm_eps)
+        x_BTD, blocks = self.run_layers(0, len(self.layers), x_BTD, [], seg_BT=seg_BT,
+                                        states=cache.layers if cache is not None else None,
+                                        mla_impl=mla_impl, moe_impl=moe_impl)
         if cache is not None:
             cache.advance(input_ids_BT.shape[1])
-        return self.norm(h_BTD)
+        return self.output(x_BTD, blocks)
+
+    def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> the first layer's input [B, T, D] (start `run_layers` with it and `blocks=[]`)."""
+        return self.embed_tokens(input_ids_BT)
+
+    def run_layers(self, start: int, end: int, x_BTD: torch.Tensor, blocks: list[torch.Tensor], *,
+                   seg_BT: torch.Tensor | None = None, states: list | None = None, mla_impl: str = "naive",
+                   moe_impl: str = "auto") -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Layers [start, end) -> (x', blocks'), to hand to the next range or to `output`.
+
+        With Block AttnRes (spec §3, §4.3) there is no ordinary residual stream: `x_BTD` is the running sum of
+        sub-layer outputs in the current block (the prefix) and `blocks` the snapshots of the completed ones.
+        Without AttnRes `x_BTD` is the residual stream and `blocks` stays []. `states`: one decode state per
+        layer of the whole model (a cache's `layers`), indexed by layer number and updated in place.
+        """
+        assert 0 <= start <= end <= len(self.layers), (start, end, len(self.layers))
+        attn_res = self.config.use_attn_res
+        for i in range(start, end):
+            state = states[i] if states is not None else None
+            x_BTD, new_blocks, state = self.layers[i](x_BTD, seg_BT, state, mla_impl, moe_impl,
+                                                      blocks=blocks if attn_res else None)
+            blocks = new_blocks if attn_res else blocks
+            if states is not None:
+                states[i] = state
+        return x_BTD, blocks
+
+    def output(self, x_BTD: torch.Tensor, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The last layer's (x, blocks) -> final hidden states [B, T, D]: the output AttnRes mix over the
+        snapshots and the last prefix (with Block AttnRes), then the final norm."""
+        if self.config.use_attn_res:
+            x_BTD = attn_res_mix(blocks + [x_BTD], _query(self.output_attn_res_norm, self.output_attn_res_proj),
+                                 self.config.rms_norm_eps)
+        return self.norm(x_BTD)
 
 
 class K3ForCausalLM(nn.Module):

@@ -167,7 +167,7 @@ class SparseMoE(nn.Module):
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
         if self.dispatcher is not None:  # expert parallel: the all-to-all moves latent-wide rows (C, not D)
             r_NC = self.dispatcher(z_NC, w_NK, idx_NK, self.experts, self.glu)
-        elif hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (openk3.quant)
+        elif hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (model/packed_experts.py)
             r_NC = self._packed_experts(z_NC, w_NK, idx_NK, impl)
         else:
             ex = self.experts
@@ -204,7 +204,7 @@ class SparseMoE(nn.Module):
         return out_ND.view(B, T, D)
 
     def _packed_experts(self, z_NC: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, impl: str) -> torch.Tensor:
-        """Routed experts held in MXFP4 (`quant.PackedExperts`): the MXFP4 CPU kernel (decode, short
+        """Routed experts held in MXFP4 (`model.packed_experts.PackedExperts`): the MXFP4 CPU kernel (decode, short
         prompts, every compiled step) or, otherwise, `experts_packed` (dequantise each touched expert)."""
         pe = self.experts
         bufs = [getattr(pe, name) for name in moe_mxfp4_cpu.BUFFERS]
@@ -218,6 +218,4 @@ class SparseMoE(nn.Module):
         work = z_NC.shape[0] * pe.hidden * pe.dim * torch.get_num_threads()
         if kernel and (impl == "fused" or work <= FUSED_MAX_WORK):
             return moe_mxfp4_cpu.experts_mxfp4(z_NC, w_NK, idx_NK, *bufs, *self.act)
-        from openk3.quant.packed_experts import experts_packed  # lazy: openk3.quant imports this module
-
-        return experts_packed(z_NC, w_NK, idx_NK, pe, self.glu, z_NC.dtype)
+        return pe.run(z_NC, w_NK, idx_NK, self.glu, z_NC.dtype)

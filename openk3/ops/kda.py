@@ -21,12 +21,12 @@ import functools
 import torch
 
 from openk3.common import upcast
-from openk3.ops.kda_chunked import (  # noqa: F401  (CHUNK_SIZE, _kda_chunked_autograd: re-exported)
+from openk3.ops.kda_chunked import (  # noqa: F401  (CHUNK_SIZE, kda_chunked_autograd: re-exported)
     CHUNK_SIZE,
-    _check_inputs,
-    _exp,
-    _kda_chunked_autograd,
+    check_inputs,
     kda_chunked,
+    kda_chunked_autograd,
+    safe_exp,
 )
 
 __all__ = ["CHUNK_SIZE", "kda", "kda_chunked", "kda_recurrent", "kda_step", "kda_step_", "kda_step_fused_"]
@@ -34,7 +34,7 @@ __all__ = ["CHUNK_SIZE", "kda", "kda_chunked", "kda_recurrent", "kda_step", "kda
 
 def _delta_step(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV):
     """One token of the recurrence on already-scaled q; all in the compute dtype. Returns (o_BHV, state_BHKV)."""
-    state_BHKV = state_BHKV * _exp(g_BHK).unsqueeze(-1)
+    state_BHKV = state_BHKV * safe_exp(g_BHK).unsqueeze(-1)
     u_BHV = torch.einsum("bhk,bhkv->bhv", k_BHK, state_BHKV)
     state_BHKV = state_BHKV + k_BHK.unsqueeze(-1) * (beta_BH.unsqueeze(-1) * (v_BHV - u_BHV)).unsqueeze(-2)
     return torch.einsum("bhk,bhkv->bhv", q_BHK, state_BHKV), state_BHKV
@@ -72,7 +72,7 @@ def kda_step_(q, k, v, g, beta, *, scale: float, state: torch.Tensor) -> torch.T
     if torch.compiler.is_compiling():
         return kda_step_fused_(q, k, v, g, beta, scale=scale, state=state)
     S_NKV = state.view(B * H, K, V)
-    S_NKV.mul_(_exp(g.to(dt)).reshape(B * H, K, 1))
+    S_NKV.mul_(safe_exp(g.to(dt)).reshape(B * H, K, 1))
     k_N1K = k.to(dt).reshape(B * H, 1, K)
     u_N1V = torch.bmm(k_N1K, S_NKV)
     d_N1V = beta.to(dt).reshape(B * H, 1, 1) * (v.to(dt).reshape(B * H, 1, V) - u_N1V)
@@ -98,7 +98,7 @@ def kda_step_fused_(q, k, v, g, beta, *, scale: float, state: torch.Tensor) -> t
     dt = state.dtype
     qk_2BHK = _materialized(torch.stack([q.to(dt) * scale, k.to(dt)]))
     q_BHK, k_BHK = qk_2BHK[0], qk_2BHK[1]
-    decayed_BHKV = state * _exp(g.to(dt))[..., None]
+    decayed_BHKV = state * safe_exp(g.to(dt))[..., None]
     u_BHV = (k_BHK[..., None] * decayed_BHKV).sum(-2)
     o_BHV = (q_BHK[..., None] * decayed_BHKV).sum(-2)
     d_BHV = beta.to(dt)[..., None] * (v.to(dt) - u_BHV)
@@ -124,7 +124,7 @@ def kda_recurrent(q, k, v, g, beta, *, scale: float, initial_state=None, doc_sta
     Returns:
         (o [B, T, H, V], final state [B, H, K, V]), both in q's dtype.
     """
-    _check_inputs(q, k, v, g, beta, initial_state, doc_start)
+    check_inputs(q, k, v, g, beta, initial_state, doc_start)
     B, T, H, K = q.shape
     out_dtype, dt = q.dtype, upcast(q).dtype
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
@@ -188,7 +188,7 @@ def kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None, c
     if kernel is None:
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, doc_start=doc_start,
                            chunk_size=chunk_size)
-    _check_inputs(q, k, v, g, beta, initial_state, doc_start)
+    check_inputs(q, k, v, g, beta, initial_state, doc_start)
     if doc_start is None:
         h0 = None if initial_state is None else initial_state.float()  # fla asserts an fp32 initial state
         o, final = kernel(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)

@@ -7,7 +7,7 @@ L sub-tile length (C = P * L).
 and gradients) and is finite for any finite g <= 0: decays are factorised only inside 16-token sub-tiles around
 a reference point, and sub-tiles whose decay is too steep for that (hard resets such as g = -1e4) are recomputed
 from pairwise differences. The backward is a hand-derived `autograd.Function` (`_KDAChunkFunction`);
-`_kda_chunked_autograd` is the same forward differentiated by autograd, its tested twin.
+`kda_chunked_autograd` is the same forward differentiated by autograd, its tested twin.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CHUNK_SIZE = 32
 _SUBTILE = 16  # longest run of tokens whose decays are factorised around one reference point
 
 
-def _check_inputs(q, k, v, g, beta, initial_state, doc_start) -> None:
+def check_inputs(q, k, v, g, beta, initial_state, doc_start) -> None:
     B, T, H, K = q.shape
     if T < 1:
         raise ValueError("KDA needs at least one token (T >= 1)")
@@ -54,7 +54,7 @@ def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.reshape(*x.shape[:2], -1, C, *x.shape[3:])
 
 
-# Log-decays below this give subnormal or zero exp(); see `_exp`.
+# Log-decays below this give subnormal or zero exp(); see `safe_exp`.
 _EXP_FLOOR = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}  # -86.3, -707.4
 
 
@@ -63,7 +63,7 @@ def _exp_limit(dtype: torch.dtype) -> float:
     return 0.5 * (math.log(torch.finfo(dtype).max) - 8.0)
 
 
-def _exp(x: torch.Tensor) -> torch.Tensor:
+def safe_exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x) for x <= ~0, with x floored just above the subnormal range.
 
     On CPU, exp of an argument whose result is subnormal or underflows takes a slow scalar path (~50x slower,
@@ -86,7 +86,7 @@ def _pairwise_tiles(q_ZLK, k_ZLK, G_ZLK):
     """Exact [Z, L, L] tile scores sum_d x_i k_j exp(G_i - G_j) for j <= i, from pairwise differences."""
     # Clamped at 0 *before* exp: for j > i the difference is a growth that could overflow (entries unused).
     diff_ZLLK = (G_ZLK.unsqueeze(-2) - G_ZLK.unsqueeze(-3)).clamp(max=0.0)
-    ek_ZLLK = _exp(diff_ZLLK) * k_ZLK.unsqueeze(-3)
+    ek_ZLLK = safe_exp(diff_ZLLK) * k_ZLK.unsqueeze(-3)
     return (k_ZLK.unsqueeze(-2) * ek_ZLLK).sum(-1), (q_ZLK.unsqueeze(-2) * ek_ZLLK).sum(-1)
 
 
@@ -155,12 +155,12 @@ def _intra_chunk_scores(q_BHNCK, k_BHNCK, G_BHNCK, L: int, saved: dict | None = 
     # three factors <= 1, so nothing overflows and underflow only drops what is tiny. The middle factor is a
     # small [P, P', K] tensor. Only
     # query tiles p >= 1 and key tiles p' <= P-2 are computed.
-    left_PLK = _exp(G_t[..., 1:, :, :] - ref_PK[..., 1:, None, :])
-    eout_PLK = _exp(end_PK[..., :-1, None, :] - G_t[..., :-1, :, :])
+    left_PLK = safe_exp(G_t[..., 1:, :, :] - ref_PK[..., 1:, None, :])
+    eout_PLK = safe_exp(end_PK[..., :-1, None, :] - G_t[..., :-1, :, :])
     # Zero (not garbage) for p' >= p, so the off-tile product is exactly zero on and above the block diagonal
     # and can be added to the block-diagonal scores instead of selected with where().
     after_PP1 = torch.ones(P - 1, P - 1, dtype=k_t.dtype, device=k_t.device).tril().unsqueeze(-1)
-    mid_PPK = _exp((ref_PK[..., 1:, None, :] - end_PK[..., None, :-1, :]).clamp(max=0.0)) * after_PP1
+    mid_PPK = safe_exp((ref_PK[..., 1:, None, :] - end_PK[..., None, :-1, :]).clamp(max=0.0)) * after_PP1
     right_PCK = (mid_PPK.unsqueeze(-2) * (k_t[..., :-1, :, :] * eout_PLK).unsqueeze(-4)).flatten(-3, -2)
     # One matmul for both kinds of score: rows are [L key rows | L query rows] of each query tile.
     rows = torch.cat([k_t[..., 1:, :, :] * left_PLK, q_t[..., 1:, :, :] * left_PLK], dim=-2)
@@ -192,9 +192,9 @@ def _chunk_forward(q_c, k_c, v_c, G, beta_c, state, seg, L: int, saved: dict | N
     scores = _intra_chunk_scores(q_c, k_c, G, L, saved)  # [B, H, N, 2C, C]: key rows, query rows
 
     G_end = G[..., -1:, :]
-    decay = _exp(G)
-    eout = _exp(G_end - G)
-    state_decay = _exp(G_end.squeeze(-2))  # [B, H, N, K]
+    decay = safe_exp(G)
+    eout = safe_exp(G_end - G)
+    state_decay = safe_exp(G_end.squeeze(-2))  # [B, H, N, K]
     # Causal masks by tril (a fast triangular pass), not where() with a broadcast bool mask (~20x slower on CPU).
     akk, aqk = scores.split(C, dim=-2)
     akk, aqk = akk.tril(-1), aqk.tril()  # key-key strictly causal, query-key inclusive
@@ -401,7 +401,7 @@ class _KDAChunkFunction(torch.autograd.Function):
 
 
 def _kda_chunked_impl(q, k, v, g, beta, *, scale, initial_state, doc_start, chunk_size, custom_backward):
-    _check_inputs(q, k, v, g, beta, initial_state, doc_start)
+    check_inputs(q, k, v, g, beta, initial_state, doc_start)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     B, T, H, K = q.shape
@@ -413,7 +413,7 @@ def _kda_chunked_impl(q, k, v, g, beta, *, scale, initial_state, doc_start, chun
     # seg = documents started inside the chunk so far; 0 is the document that was running at the chunk start.
     seg = None if doc_start is None else _to_chunks(doc_start[:, :, None].long(), C).cumsum(-1)  # [B, 1, N, C]
 
-    # Floor each step where exp() already flushes to ~0 (as `_exp` does in the recurrence): a -1e4 step stays a
+    # Floor each step where exp() already flushes to ~0 (as `safe_exp` does in the recurrence): a -1e4 step stays a
     # full reset but no longer inflates |G|, whose fp32 rounding (ulp(|G|)) sets the error of every exp(G_i - G_j).
     def cumulative_decay(g_c):
         return g_c.clamp(min=_EXP_FLOOR[dt]).cumsum(-2)  # decay since the chunk start, inclusive; <= 0
@@ -437,7 +437,7 @@ def kda_chunked(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start
 
     Exact (same maths as `kda_recurrent`) and finite for any finite g <= 0, e.g. -1e4 steps. Differentiable,
     with a hand-derived backward (`_chunk_backward`) unless a sub-tile's decay is too steep to
-    factorise (pathological g only), where autograd differentiates the exact fallback (`_kda_chunked_autograd`).
+    factorise (pathological g only), where autograd differentiates the exact fallback (`kda_chunked_autograd`).
     Within a chunk with cumulative decay G_t, pseudo-values U solve (I + A) U = Diag(beta)(V - K~ S0)
     with A_ij = beta_i sum_d k_i k_j exp(G_i - G_j) (j < i, same document) and K~_t = k_t * exp(G_t).
 
@@ -458,7 +458,7 @@ def kda_chunked(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start
                              chunk_size=chunk_size, custom_backward=True)
 
 
-def _kda_chunked_autograd(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None,
+def kda_chunked_autograd(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None,
                           chunk_size: int = CHUNK_SIZE):
     """`kda_chunked` differentiated by autograd throughout: the twin its hand-written backward is tested against."""
     return _kda_chunked_impl(q, k, v, g, beta, scale=scale, initial_state=initial_state, doc_start=doc_start,

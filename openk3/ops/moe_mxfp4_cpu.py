@@ -2,7 +2,7 @@
 weight): decode reads the packed bytes, never a dequantised copy.
 
 Why: a decode step's routed experts cost about the bytes of their weights (one CPU core streams them).
-Kept packed (`openk3.quant.PackedExperts`), an expert is 7.5x smaller than in float32, so a step reads
+Kept packed (`openk3.model.packed_experts.PackedExperts`), an expert is 7.5x smaller than in float32, so a step reads
 7.5x fewer expert bytes; `experts_packed` (torch operators) instead dequantises each touched expert
 into a temporary and runs three matmuls on it. Two kinds of kernel, tested equal:
 

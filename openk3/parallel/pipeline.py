@@ -19,7 +19,8 @@ The schedule is torch's `Schedule1F1B` (`ScheduleGPipe` when there are fewer mic
 `scale_grads=False`: the last stage's loss is each micro-batch's token-loss sum divided by the step's loss-
 token count, so the micro-batch gradients add up to the whole batch's, as in one process. The micro-batches
 are the trainer's `grad_accum`. Stage 0 holds the embedding, the last stage the output AttnRes mix, the final
-norm and the head.
+norm and the head. A stage runs the model's own pieces (`K3Model.embed`, `run_layers` over its layers,
+`output`), so it computes exactly the one-process forward's share.
 
 This version: pp alone (no data, expert or context parallelism beside it), and every rank keeps the whole
 model: it trains and holds gradients and optimizer state only for its own stage's parameters (the optimizer
@@ -81,45 +82,39 @@ def bank_rows(model_cfg, cut: int) -> int:
 class StageModule(nn.Module):
     """Layers [start, end) of a `K3ForCausalLM` (shared, not copied), with the embedding on the first stage
     and the output mix, final norm and head on the last. forward: (ids or packed bank, document index) ->
-    (packed bank, document index), or logits on the last stage."""
+    (packed bank, document index), or logits on the last stage.
+
+    It runs the model's own pieces (`K3Model.embed`, `run_layers`, `output`), so a stage computes exactly what
+    the one-process forward computes for its layers. Only the stage's modules are registered (torch's
+    `PipelineStage` trains, moves and clips `parameters()`); the whole `K3Model` is held unregistered."""
 
     def __init__(self, model: nn.Module, start: int, end: int) -> None:
         super().__init__()
         cfg = model.config
+        self.start, self.end = start, end
         self.first, self.last = start == 0, end == cfg.num_hidden_layers
-        self.attn_res = cfg.use_attn_res
-        self.eps = cfg.rms_norm_eps
         self.use_seg = False  # set per step by the pipeline (the seg tensor always travels: static signature)
+        object.__setattr__(self, "body", model.model)  # not a submodule: its other stages' parameters stay out
         self.layers = nn.ModuleList(model.model.layers[start:end])
         if self.first:
             self.embed_tokens = model.model.embed_tokens
         if self.last:
             self.norm, self.lm_head = model.model.norm, model.lm_head
-            if self.attn_res:
+            if cfg.use_attn_res:
                 self.output_attn_res_norm = model.model.output_attn_res_norm
                 self.output_attn_res_proj = model.model.output_attn_res_proj
 
     def forward(self, x: torch.Tensor, seg_f: torch.Tensor):
-        from openk3.model.model import _query
-        from openk3.ops.attnres import attn_res_mix
-
         seg_BT = seg_f.long() if self.use_seg else None
         if self.first:
-            prefix, blocks = self.embed_tokens(x), []
-        else:  # [bank rows + 1, b, T, D]
+            x_BTD, blocks = self.body.embed(x), []
+        else:  # [bank rows + 1, b, T, D]: the snapshots so far, then the prefix (or the residual stream)
             rows = list(x.unbind(0))
-            prefix, blocks = rows[-1], rows[:-1]
-        for layer in self.layers:
-            if self.attn_res:
-                prefix, blocks, _ = layer(prefix, seg_BT, None, "naive", "auto", blocks=blocks)
-            else:
-                prefix, _, _ = layer(prefix, seg_BT, None, "naive", "auto")
+            x_BTD, blocks = rows[-1], rows[:-1]
+        x_BTD, blocks = self.body.run_layers(self.start, self.end, x_BTD, blocks, seg_BT=seg_BT)
         if not self.last:
-            return torch.stack([*blocks, prefix]), seg_f
-        if self.attn_res:
-            prefix = attn_res_mix(blocks + [prefix], _query(self.output_attn_res_norm, self.output_attn_res_proj),
-                                  self.eps)
-        return self.lm_head(self.norm(prefix))
+            return torch.stack([*blocks, x_BTD]), seg_f
+        return self.lm_head(self.body.output(x_BTD, blocks))
 
 
 class Pipeline:
@@ -144,7 +139,7 @@ class Pipeline:
         return self.index == self.pp - 1
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from openk3.train.trainer import cross_entropy_sum
+        from openk3.ops.loss import cross_entropy_sum
 
         loss_sum, _ = cross_entropy_sum(logits, labels)
         return loss_sum / self.count

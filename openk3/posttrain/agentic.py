@@ -5,7 +5,7 @@
     verify_record(records[0])                                                 # [] when it is accepted
 
 Each problem is a task of `openk3.agent.tasks` (generated from a seed; train/test/heldout as the family
-splits them; agentic_tasks.py registers multi_hop and implement_spec there). For every problem the expert of
+splits them; multi_hop and implement_spec are families there too). For every problem the expert of
 its family (agentic_traces.py) plays one episode per effort (low, high, max) through `SandboxEnv`, so the tool
 messages are what the sandbox really returned and the reward is the task's own verifier. About
 `recovery_rate` of the episodes are recovery episodes: a scripted mistake, its error observed, then the fix.
@@ -31,7 +31,6 @@ from openk3.agent import SandboxEnv
 from openk3.agent.tasks import Task, generate
 from openk3.chat import THINKING_EFFORTS
 
-from . import agentic_tasks  # noqa: F401 - registers the multi_hop and implement_spec task families
 from .agentic_traces import EXPERTS
 from .budget import B_FLOOR, think_budget
 from .records import SPLITS, byte_tokenizer, render_sha256, roundtrip_problems, think_tokens, validate_record

@@ -209,7 +209,7 @@ def load_teachers(teachers: Mapping[str, str], cells: Sequence[str], student_fol
                   vocab_size: int) -> dict[str, torch.nn.Module]:
     """{cell: teacher model} for `cells`: each checkpoint loaded once (cells may share one), float32, eval
     mode, frozen. A teacher must have the student's tokenizer file byte for byte and its vocabulary size."""
-    import openk3
+    from openk3.checkpoint import load
     from openk3.checkpoint.load import resolve_checkpoint
 
     student_tok = _file_digest(student_folder / "tiktoken.model")
@@ -224,7 +224,7 @@ def load_teachers(teachers: Mapping[str, str], cells: Sequence[str], student_fol
             if _file_digest(folder / "tiktoken.model") != student_tok:
                 raise ValueError(f"teacher {cell} ({folder}): its tokenizer differs from the student's "
                                  f"({student_folder}); MOPD scores the student's token ids, so they must match")
-            model = openk3.load(folder, dtype=torch.float32).eval()
+            model = load(folder, dtype=torch.float32).eval()
             if model.config.vocab_size != vocab_size:
                 raise ValueError(f"teacher {cell} ({folder}): vocab_size {model.config.vocab_size}, the student's is "
                                  f"{vocab_size}")

@@ -319,8 +319,9 @@ class Pipeline:
     def base(self) -> dict:
         import torch
 
-        import openk3
+        from openk3.checkpoint import save
         from openk3.config import preset as preset_config
+        from openk3.model.model import K3ForCausalLM
         from openk3.posttrain.records import byte_tokenizer
 
         if self.base_checkpoint is not None:
@@ -344,9 +345,9 @@ class Pipeline:
             # the model's vocabulary and special ids become the tokenizer's (vocab.py says why)
             tok = train_posttrain_tokenizer(self.domains, self.profile.vocab_size, self.seed)
             cfg, kind = with_tokenizer_ids(cfg, tok), f"bpe-{tok.vocab_size} (posttrain/vocab.py)"
-        model = openk3.K3ForCausalLM.build(cfg, seed=self.seed).eval()
+        model = K3ForCausalLM.build(cfg, seed=self.seed).eval()
         folder = self.out / "base"
-        openk3.save(model, folder, dtype=torch.float32)
+        save(model, folder, dtype=torch.float32)
         tok.save(str(folder))
         return {"layers": cfg.num_hidden_layers, "vocab_size": cfg.vocab_size, "tokenizer": kind,
                 "init_seed": self.seed}

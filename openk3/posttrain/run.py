@@ -62,16 +62,15 @@ def open_run(out: Path, cfg, *, config_file: str, start_field: str, missing: str
     """Resume `out` (its newest intact checkpoint; `check_resume` refuses changed settings) or start from the
     checkpoint named by `cfg.<start_field>` (`missing`: the error's start when there is none); writes the
     settings file."""
-    import openk3
+    from openk3.checkpoint import load, runs, steps
     from openk3.checkpoint.load import resolve_checkpoint
-    from openk3.train import state as train_state
 
     out.mkdir(parents=True, exist_ok=True)
-    for name in train_state.restore_resaves(out):
+    for name in runs.restore_resaves(out):
         say(tag, f"restored {name} (a re-save of it was interrupted between its two renames)")
-    train_state.clean_leftovers(out)
-    train_state.refuse_lost_checkpoints(out)  # a run whose checkpoints are gone is not started over silently
-    resumed = train_state.load_latest(out)
+    runs.clean_leftovers(out)
+    runs.refuse_lost_checkpoints(out)  # a run whose checkpoints are gone is not started over silently
+    resumed = steps.load_latest(out)
     if resumed is not None:
         cfg = check_resume(out, cfg)
         folder, state, model, problems = resumed
@@ -86,7 +85,7 @@ def open_run(out: Path, cfg, *, config_file: str, start_field: str, missing: str
         folder = resolve_checkpoint(getattr(cfg, start_field)).resolve()
         cfg = dataclasses.replace(cfg, **{start_field: str(folder)})
         tok, tok_files = tokenizer_of(folder)
-        model = openk3.load(folder, dtype=torch.float32)
+        model = load(folder, dtype=torch.float32)
         start, state = 0, None
     write_atomic(out / config_file, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
     return RunStart(cfg, folder, model, tok, tok_files, start, state)
@@ -105,18 +104,18 @@ def optimizer_for(model: torch.nn.Module, lr: float, grad_clip: float, state: di
 
 
 def save_step(out: Path, step: int, model, opt, cfg, tok_files: dict[str, str]) -> None:
-    from openk3.train import state as train_state
+    from openk3.checkpoint.steps import save_checkpoint
+    from openk3.train.state import rng_state
 
-    train_state.save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(),
-                                                   "config": cfg.to_dict(), "rng": train_state.rng_state()},
-                                extra_files=tok_files)
+    save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(), "config": cfg.to_dict(),
+                                       "rng": rng_state()}, extra_files=tok_files)
 
 
 def write_rollouts(out: Path, step: int, records: list[dict]) -> None:
     """`out/rollouts/step_N.jsonl`: the step's rollout records, written atomically."""
-    from openk3.train import state as train_state
+    from openk3.checkpoint import runs
 
-    write_atomic(out / "rollouts" / f"{train_state.step_dir_name(step)}.jsonl",
+    write_atomic(out / "rollouts" / f"{runs.step_dir_name(step)}.jsonl",
                  "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
 
 

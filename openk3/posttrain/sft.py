@@ -241,7 +241,8 @@ def loop_config(cfg: SFTConfig, model_cfg, max_steps: int):
 @torch.no_grad()
 def evaluate(model, convs, cfg: SFTConfig, pad_id: int, device: torch.device) -> dict:
     """Mean CE (nats) per trained token of `convs` (packed in file order), and the token count."""
-    from openk3.train.trainer import autocast_context, cross_entropy_sum
+    from openk3.common import autocast_context
+    from openk3.ops.loss import cross_entropy_sum
 
     was = model.training
     model.eval()
@@ -267,18 +268,13 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     resume / allow_config_change / on_event(kind, info) ("step", "eval", "checkpoint") as in
     `openk3.train.trainer.train`.
     """
-    import openk3
+    from openk3.checkpoint import load
+    from openk3.checkpoint.runs import find_latest
+    from openk3.checkpoint.steps import save_checkpoint
     from openk3.common import resolve_device, seed_everything, setup_cpu
     from openk3.train.config import resume_changes
     from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, plot_losses
-    from openk3.train.state import (
-        find_latest,
-        open_run_folder,
-        record_config,
-        restart_changes,
-        resume_trainer,
-        save_checkpoint,
-    )
+    from openk3.train.state import open_run_folder, record_config, restart_changes, resume_trainer
     from openk3.train.trainer import build_trainer, with_tokenizer_ids
 
     device = resolve_device(cfg.device)
@@ -322,7 +318,7 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes, name="sft_config")
 
     seed_everything(cfg.seed)
-    model = openk3.load(base, dtype=torch.float32, device=device)
+    model = load(base, dtype=torch.float32, device=device)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"{base}: the tokenizer has {tok.vocab_size} ids but the model only "
                          f"{model.config.vocab_size} embeddings")

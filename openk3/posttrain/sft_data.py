@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from openk3.ops.loss import IGNORE_INDEX
+
 OVERFLOW = ("drop", "truncate")
 PACKING = ("best_fit", "next_fit")
 LEGACY_PACKING = "next_fit"  # what runs saved before the packing option packed

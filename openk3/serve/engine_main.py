@@ -5,10 +5,10 @@ import logging
 import os
 import sys
 
-from openk3.serve.process import _child_main
+from openk3.serve.process import child_main
 
 if __name__ == "__main__":
-    _child_main(int(sys.argv[1]), int(sys.argv[2]))
+    child_main(int(sys.argv[1]), int(sys.argv[2]))
     # Done (told to stop, or the parent is gone): exit without the interpreter's teardown, which takes ~1.5 s with
     # torch loaded, and the server's shutdown waits for this process. Nothing is left to write but the log.
     logging.shutdown()

@@ -92,7 +92,7 @@ class EngineStartError(RuntimeError):
 # ---- the child ----------------------------------------------------------------------------------------
 
 
-def _child_main(inbox_fd: int, outbox_fd: int) -> None:
+def child_main(inbox_fd: int, outbox_fd: int) -> None:
     """The engine process (`python -m openk3.serve.engine_main INBOX_FD OUTBOX_FD`): read how to build the engine,
     build it, report ready (or why not), then serve the inbox until told to stop or the parent goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent stops us

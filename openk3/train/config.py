@@ -353,9 +353,9 @@ def _derive_layout(model: K3Config, vals: dict[str, Any]) -> dict[str, Any]:
     re-derives `kda_layers` (the rest)."""
     vals = dict(vals)
     if "num_hidden_layers" in vals and "linear_attn_config.full_attn_layers" not in vals:
-        from openk3.config import _hybrid_layers
+        from openk3.config import hybrid_layers
 
-        vals["linear_attn_config.full_attn_layers"] = _hybrid_layers(vals["num_hidden_layers"])
+        vals["linear_attn_config.full_attn_layers"] = hybrid_layers(vals["num_hidden_layers"])
     if "linear_attn_config.full_attn_layers" in vals and "linear_attn_config.kda_layers" not in vals:
         vals["linear_attn_config.kda_layers"] = None
     return vals

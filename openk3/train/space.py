@@ -81,11 +81,11 @@ def cache_bytes(data_cfg, vocab_size: int, cache_dir: Path, tok=None) -> int:
     is already there, else at most one token per byte of text (`source_bytes`; byte-level BPE never
     does worse, and typically 2-4x better) at 2 bytes per id (4 above 65,536 ids). Document offsets
     and the per-id byte table are small beside it and not counted."""
-    from openk3.data.shards import _token_dtype, dataset_key
+    from openk3.data.shards import dataset_key, token_dtype
 
     if tok is not None and (cache_dir / dataset_key(data_cfg, tok)).is_dir():
         return 0
-    return source_bytes(data_cfg) * _token_dtype(vocab_size).itemsize
+    return source_bytes(data_cfg) * token_dtype(vocab_size).itemsize
 
 
 def _existing(path: Path) -> Path:

@@ -36,14 +36,17 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from openk3.checkpoint.runs import checkpoint_root, find_latest, list_checkpoints, step_dir_name
+from openk3.checkpoint.steps import save_checkpoint
+from openk3.common import autocast_context
+from openk3.ops.loss import IGNORE_INDEX, cross_entropy_sum
+from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
@@ -55,57 +58,10 @@ from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_token
 from openk3.train.samples import val_samples
 from openk3.train.schedule import LRSchedule
 from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, checkpoints_to_fit, planned_saves
-from openk3.train.state import (
-    checkpoint_root,
-    find_latest,
-    list_checkpoints,
-    open_run_folder,
-    record_config,
-    restart_changes,
-    resume_trainer,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    step_dir_name,
-)
+from openk3.train.state import open_run_folder, record_config, restart_changes, resume_trainer, rng_state, set_rng_state
 from openk3.train.threads import ThreadTuner
 
-IGNORE_INDEX = -100
 EventHook = Callable[[str, dict], None]
-
-
-def cross_entropy_sum(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed CE in fp32 over labelled tokens, number of labelled tokens)."""
-    V = logits_BTV.shape[-1]
-    loss = F.cross_entropy(logits_BTV.reshape(-1, V).float(), labels_BT.reshape(-1), ignore_index=IGNORE_INDEX,
-                           reduction="sum")
-    return loss, (labels_BT != IGNORE_INDEX).sum()
-
-
-def autocast_context(dtype: str, device: torch.device):
-    """bf16: torch.autocast on the device (parameters stay fp32; the model's fp32 islands upcast)."""
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder layer's token mixer and FFN in the backward (torch.utils.checkpoint,
-    non-reentrant). The model's forward calls `layer.attn` and `layer.ffn` (a decoder layer has no
-    single forward: Block AttnRes mixes between them), so those two are wrapped per layer; what stays
-    resident is each sub-layer's input plus the AttnRes mixes."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.model.layers:
-        for name in ("attn", "ffn"):
-            fn = getattr(layer, name)
-
-            def wrapped(*args, _fn=fn):
-                if not torch.is_grad_enabled():
-                    return _fn(*args)
-                return checkpoint(_fn, *args, use_reentrant=False)
-
-            setattr(layer, name, wrapped)
 
 
 class Trainer:
@@ -423,7 +379,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     model = K3ForCausalLM.build(cfg.model, device=device, seed=cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
     if cfg.activation_checkpointing:
-        enable_activation_checkpointing(model)
+        apply_activation_checkpointing(model)
     trainer = build_trainer(model, loader, cfg, mesh=mesh, device=device, threads=threads)
     ranks = f", {mesh.world_size} processes (dp_replicate {cfg.parallel.dp_replicate} x dp_shard " \
             f"{cfg.parallel.dp_shard}, ep {cfg.parallel.ep}, pp {cfg.parallel.pp})" if mesh.distributed else ""

@@ -180,6 +180,23 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {}
+#: The family modules of this package, each registering itself on import; `families()` and `generate` import
+#: them all first, so what they see never depends on what happened to be imported before.
+FAMILY_MODULES = ("fix_test", "data_wrangle", "tool_arith", "multi_hop", "implement_spec")
+
+
+def load_families() -> None:
+    """Import the family modules (each registers itself); idempotent."""
+    import importlib
+
+    for name in FAMILY_MODULES:
+        importlib.import_module(f"openk3.agent.tasks.{name}")
+
+
+def families() -> list[str]:
+    """The registered families' names: the package's own and any registered since."""
+    load_families()
+    return sorted(FAMILIES)
 
 
 def register(family: Family) -> Family:
@@ -193,9 +210,7 @@ def register(family: Family) -> Family:
 
 def generate(family: str, seed: int, difficulty: int = 1, split: str = "train") -> Task:
     """The task of `family` for (seed, difficulty, split); deterministic."""
-    from . import _load_families
-
-    _load_families()
+    load_families()
     if family not in FAMILIES:
         raise ValueError(f"unknown task family {family!r}; known: {sorted(FAMILIES)}")
     fam = FAMILIES[family]

@@ -179,7 +179,7 @@ print(json.dumps(out))
 '''
 
 
-def _call(source: str, name: str, args: list):
+def run_function(source: str, name: str, args: list):
     """Run one template function on `args` (host side; our own template code). An exception is a result too."""
     ns: dict = {}
     exec(source, ns)  # noqa: S102 - the family's own templates, never the agent's code
@@ -189,7 +189,7 @@ def _call(source: str, name: str, args: list):
         return ("raises", type(e).__name__)
 
 
-def _test_file(module: str, fns: list[str], cases: dict[str, list]) -> str:
+def render_test_file(module: str, fns: list[str], cases: dict[str, list]) -> str:
     lines = ["import unittest", "", f"from {module} import {', '.join(fns)}", "", "",
              f"class Test{module.title().replace('_', '')}(unittest.TestCase):"]
     for fn in fns:
@@ -230,9 +230,9 @@ def build(rng: random.Random, difficulty: int, template: str) -> dict:
         files.setdefault(f"{where[fn]}.py", "")
         files[f"{where[fn]}.py"] += ("\n\n" if files[f"{where[fn]}.py"] else "") + source
         cands = spec.inputs(rng)
-        good = [(args, _call(spec.source, fn, args)) for args in cands]
+        good = [(args, run_function(spec.source, fn, args)) for args in cands]
         good = [(a, r[1]) for a, r in good if r[0] == "ok"]
-        hits = [(a, v) for a, v in good if correct is not None and _call(source, fn, a) != ("ok", v)]
+        hits = [(a, v) for a, v in good if correct is not None and run_function(source, fn, a) != ("ok", v)]
         assert correct is None or hits, f"{fn}: no candidate input shows the bug {bad!r}"
         shown = (hits[:1] + [c for c in good if c not in hits[:1]])[:3]
         visible[fn] = shown
@@ -244,7 +244,7 @@ def build(rng: random.Random, difficulty: int, template: str) -> dict:
 
     for module in modules:
         in_mod = [fn for fn in fns if where[fn] == module]
-        files[f"tests/test_{module}.py"] = _test_file(module, in_mod, visible)
+        files[f"tests/test_{module}.py"] = render_test_file(module, in_mod, visible)
     files["tests/__init__.py"] = ""
     n_files = " and ".join(f"{m}.py" for m in modules)
     instruction = (f"The unit tests in tests/ fail: `python3 -m unittest discover -s tests -t .` run in the "

@@ -49,7 +49,7 @@ finish(0.5 * kv_ok + 0.5 * answer_ok, kv_ok=kv_ok, answer_ok=answer_ok)
 '''
 
 
-def _kv_file(entries: dict[str, object]) -> bytes:
+def kv_file(entries: dict[str, object]) -> bytes:
     """The KV tools' SQLite file holding `entries`, written by the tool code itself (one schema, theirs)."""
     with scratch_dir() as root:
         for key, value in entries.items():
@@ -153,7 +153,7 @@ def build(rng: random.Random, difficulty: int, template: str) -> dict:
     solution = reads + [Call("KVSet", {"key": RESULT_KEY, "value": result}), Call("Submit", {"answer": str(result)})]
     return {
         "instruction": instruction,
-        "files": {KV_PATH: _kv_file(entries)},
+        "files": {KV_PATH: kv_file(entries)},
         "grader_files": {"grade.py": GRADE, "expected.json": json.dumps({"result": result}) + "\n"},
         "tools": list(TOOLS),
         "solution": solution,

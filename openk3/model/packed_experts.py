@@ -2,10 +2,10 @@
 dequantised one expert at a time at matmul time, only for experts that received tokens.
 
 `SparseMoE.forward` dispatches here when its `experts` is a `PackedExperts` (it tests for the
-`w1_packed` attribute, so `openk3.model` never imports this package): decode batches and short prompts
-on CPU go to the MXFP4 kernel (`openk3/ops/moe_mxfp4_cpu.py`, which reads the packed bytes directly),
-everything else to `experts_packed` below. Inference only: the packed
-buffers are uint8 and get no gradients; activations may still require grad (see `experts_packed`).
+`w1_packed` attribute and calls `PackedExperts.run`, so `model/moe.py` never imports this module): decode
+batches and short prompts on CPU go to the MXFP4 kernel (`openk3/ops/moe_mxfp4_cpu.py`, which reads the
+packed bytes directly), everything else to `experts_packed` below. Inference only: the packed buffers
+are uint8 and get no gradients; activations may still require grad (see `experts_packed`).
 
 Legend: N tokens, C expert input width (latent in K3), I expert hidden width, E experts, K top-k.
 """
@@ -72,6 +72,12 @@ class PackedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, dim={self.dim}, hidden={self.hidden}, mxfp4"
+
+    def run(self, x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, glu: Glu,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`experts_packed` on these experts: what `SparseMoE` calls (model/moe.py does not import this module,
+        which imports it)."""
+        return experts_packed(x_NC, weights_NK, idx_NK, self, glu, dtype)
 
 
 def experts_packed(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, packed: PackedExperts,
