@@ -69,15 +69,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-class _StderrNotes(logging.Handler):
-    """The library's notes (INFO and up on the `openk3` logger, e.g. the compute dtype `LLM` chose) as
-    `[openk3] ...` lines on stderr. sys.stderr is looked up at each note, not kept, so a replaced stderr
-    (a test's capture, a caller's redirection) receives them."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"[openk3] {record.getMessage()}", file=sys.stderr, flush=True)
-
-
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """A warning as one `[openk3] warning: ...` line (the message names the file or field it is about), not
     Python's default of the warning's source path plus a line of openk3's code."""
@@ -89,7 +80,9 @@ def notes_on_stderr(debug: bool = False):
     """The library's notes and warnings go to stderr as one-line notes while a command runs; the `openk3`
     logger and the warnings machinery are restored after (main() may run many times in one process: tests,
     scripts). `debug` (OPENK3_DEBUG) keeps Python's full warning format."""
-    log, handler = logging.getLogger("openk3"), _StderrNotes()
+    from openk3.log import TaggedLines
+
+    log, handler = logging.getLogger("openk3"), TaggedLines(notes_to_stderr=True)
     level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)

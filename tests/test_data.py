@@ -24,9 +24,9 @@ from openk3.data import (
     eval_batches,
     evaluate_bpb,
     iter_texts,
-    tokenizer_fingerprint,
 )
 from openk3.tokenizer import Tokenizer, train_bpe
+from openk3.tokenizer.files import tokenizer_fingerprint
 
 # ---------------------------------------------------------------------------------------------- fixtures
 

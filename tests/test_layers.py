@@ -18,7 +18,7 @@ PACKAGE = Path(openk3.__file__).parent
 #: layer are siblings and do not import each other. "openk3" is the package root (`openk3/__init__.py`, the
 #: public API: `load`, `save`, `LLM`, ...). Keep docs/architecture.md's diagram in step with this list.
 LAYERS: list[tuple[str, ...]] = [
-    ("fsutil", "config_rules"),  # stdlib only
+    ("fsutil", "config_rules", "log"),  # stdlib only
     ("config", "chart", "tokenizer", "chat"),  # no torch: configs, plots, tokenizer, the XTML chat format
     ("plan", "peers"),  # torch-free arithmetic over configs (counts, memory, cost); transformers' peer (lazy)
     ("common",),  # torch helpers
@@ -233,6 +233,6 @@ def test_import_parser_sees_function_level_and_relative_imports(tmp_path):
     (pkg / "train" / "__init__.py").write_text("")
     (pkg / "train" / "loop.py").write_text("from ..model.a import f as _g\n")
     graph = import_graph(pkg)
-    assert graph["openk3.model"] == [("openk3.model.a", 1, None)]
+    assert graph["openk3.model"] == [("openk3.model.a", 1, "f")]
     assert graph["openk3.model.a"] == [("openk3.train.loop", 2, None)]
     assert graph["openk3.train.loop"] == [("openk3.model.a", 1, "f")]

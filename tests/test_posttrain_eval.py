@@ -21,6 +21,7 @@ from openk3.chat import CLOSE, SEP, THINKING_EFFORTS, encode_segments, render
 from openk3.infer.engine import RequestOutput
 from openk3.posttrain import evaluate as ev
 from openk3.posttrain import general, plots
+from openk3.posttrain import report as rep
 from openk3.posttrain.budget import BudgetConfig
 from openk3.posttrain.records import DOMAINS, byte_tokenizer
 from openk3.posttrain.rl_problems import ProblemSource
@@ -79,11 +80,17 @@ def assistant_ids(prompt_messages: list[dict], message: dict, effort: str) -> li
     return after[len(before):]
 
 
+def drawn(source: ProblemSource, n_per_cell: int, batch_problems: int) -> list:
+    """The problems `evaluate_engine` draws for one cell: chunk k of at most `batch_problems` is step k."""
+    return [p for k, start in enumerate(range(0, n_per_cell, batch_problems))
+            for p in source.draw(k, min(batch_problems, n_per_cell - start), total_steps=1)]
+
+
 def scripted_cell(effort: str, n: int, budget: BudgetConfig, batch: int = ev.DRAW_CHUNK):
     """(script, plan): the problems `evaluate_engine` draws for (general, effort) and, per prompt, a turn with a
     chosen think length and response. plan rows: (think tokens, budget, task reward, difficulty) expected."""
     source = ProblemSource("general", effort, TOK, split="test", seed=0, budget=budget)
-    problems = [p for _, chunk in ev.draw_chunks(source, n, batch) for p in chunk]
+    problems = drawn(source, n, batch)
     turns, plan = {}, []
     for i, p in enumerate(problems):
         meta = p.meta
@@ -162,7 +169,7 @@ def test_budget_forcing_cuts_thinking_at_the_budget_and_forces_the_response():
     budget, `<|close|>think<|sep|>` appended, the response sampled after it and scored on the whole turn."""
     budget = BudgetConfig(b_floor=16)
     source = ProblemSource("general", "max", TOK, split="test", seed=0, budget=budget)
-    problems = [p for _, chunk in ev.draw_chunks(source, 4, 32) for p in chunk]
+    problems = drawn(source, 4, 32)
     close = [TOK.special_ids[CLOSE], *TOK.encode("think"), TOK.special_ids[SEP]]
     turns, plan = {}, []
     for i, p in enumerate(problems):
@@ -242,7 +249,7 @@ def full_models(n: int = 16) -> tuple[dict, dict]:
 
 def test_report_follows_the_contract(tmp_path):
     models, checkpoints = full_models()
-    ev.write_report(models, checkpoints, tmp_path, settings={"n_per_cell": 16}, plots=False)
+    rep.write_report(models, checkpoints, tmp_path, settings={"n_per_cell": 16}, plots=False)
     report = json.loads((tmp_path / "report.json").read_text())
     assert set(report) == {"models", "checkpoints", "settings"}
     assert set(report["models"]) == {"sft", "student", "merged", "teachers"}
@@ -256,7 +263,7 @@ def test_report_follows_the_contract(tmp_path):
                             "invalid_tool_calls", "turns", "generated_tokens"):
                     assert key in c, key
                 assert c["n"] >= 16
-    assert ev.report_problems(report) == []
+    assert rep.report_problems(report) == []
     md = (tmp_path / "report.md").read_text()
     assert "## Accuracy" in md and "| teacher coding/max |" in md and "| student | yes | yes | yes |" in md
     assert "`runs/t-agent-low`" in md
@@ -265,11 +272,11 @@ def test_report_follows_the_contract(tmp_path):
     short, _ = full_models(n=8)
     del checkpoints["teachers"]["agent/high"]
     del short["teachers"]["general/low"]["coding"]["max"]
-    problems = ev.report_problems({"models": short, "checkpoints": checkpoints})
+    problems = rep.report_problems({"models": short, "checkpoints": checkpoints})
     assert "models.sft.general/low: n = 8 < 16" in problems
     assert "checkpoints: no folder for teachers/agent/high" in problems
     assert "models.teachers/general/low: no cell coding/max" in problems
-    assert ev.report_problems({"models": {}, "checkpoints": {}})[:2] == ["checkpoints: no folder for sft",
+    assert rep.report_problems({"models": {}, "checkpoints": {}})[:2] == ["checkpoints: no folder for sft",
                                                                         "models: no sft"]
 
 
@@ -291,7 +298,7 @@ def test_success_criteria_judge_the_issue_18_rules():
     """Teachers beat SFT on their own cells, effort ordering for teachers (own cells) and student, recovery
     >= 90 % of each teacher's gain (n/a where the teacher gained nothing); merged reported, not judged."""
     models, checkpoints = full_models()  # sft 0.25, teachers 0.75, student 0.5 (50 %), merged 0.375 (25 %)
-    verdicts = {name: (met, detail) for name, met, detail in ev.success_criteria(models)}
+    verdicts = {name: (met, detail) for name, met, detail in rep.success_criteria(models)}
     assert verdicts["each teacher beats SFT on its own cell"] == (True, "9 of 9")
     assert verdicts["teachers' think tokens low < high < max in every domain"][0] is True
     assert verdicts["student's think tokens low < high < max in every domain"][0] is True
@@ -300,15 +307,15 @@ def test_success_criteria_judge_the_issue_18_rules():
     met, detail = verdicts["merged: share of each teacher's gain over SFT (reported)"]
     assert met is None and "coding/max 25 %" in detail
     models["student"] = synthetic_m({c: 0.75 for c in ev.CELLS} | {"agent/low": 0.6875}, 4)  # 0.6875: 87.5 %
-    assert ev.success_criteria(models)[3][1] is False
+    assert rep.success_criteria(models)[3][1] is False
     models["student"] = synthetic_m({c: 0.75 for c in ev.CELLS} | {"agent/low": 0.6875}, 4)
     models["teachers"]["agent/low"] = synthetic_m(0.25, 4)  # no gain there: n/a, and that teacher fails rule 1
-    crit = ev.success_criteria(models)
+    crit = rep.success_criteria(models)
     assert crit[0][1] is False and "not: agent/low" in crit[0][2]
     assert crit[3][1] is True and "agent/low n/a" in crit[3][2]
     models["teachers"]["coding/high"] = synthetic_m(0.75, 40)  # thinks more than coding/max's teacher
-    assert "coding no" in ev.success_criteria(models)[1][2]
-    text = ev.report_markdown(models, checkpoints)
+    assert "coding no" in rep.success_criteria(models)[1][2]
+    text = rep.report_markdown(models, checkpoints)
     assert "## Success criteria (issue 18)" in text and "| each teacher beats SFT on its own cell | no |" in text
 
 
@@ -341,7 +348,7 @@ def test_plots_are_written_labelled_and_not_blank(tmp_path, monkeypatch):
     teacher_metrics = {"general/low": write_metrics(tmp_path / "tl.jsonl", teacher_rows),
                        "general/max": write_metrics(tmp_path / "tm.jsonl", teacher_rows)}
     out = tmp_path / "report"
-    ev.write_report(models, checkpoints, out, teacher_metrics=teacher_metrics,
+    rep.write_report(models, checkpoints, out, teacher_metrics=teacher_metrics,
                     mopd_metrics=write_metrics(tmp_path / "mopd.jsonl", mopd_rows))
     names = ["cells_acc_vs_tokens.png", "effort_separation.png", "recovery.png", "teacher_rl.png",
              "mopd_training.png"]

@@ -16,7 +16,7 @@ import pytest
 import openk3
 from openk3.chat import THINKING_EFFORTS
 from openk3.posttrain.evaluate import MIN_N
-from openk3.posttrain.pipeline import Pipeline, contract_problems, parse_domains, run_pipeline
+from openk3.posttrain.pipeline import Pipeline, contract_problems, parse_domains
 
 GENERAL = [f"general/{e}" for e in THINKING_EFFORTS]
 
@@ -159,24 +159,25 @@ def test_tiny_profile_on_the_coding_domain_runs_every_stage_in_sandboxes(tmp_pat
 
 def test_smoke_eval_ends_agentic_episodes_after_the_first_turn(tmp_path, monkeypatch):
     """Smoke's eval runs agent / coding episodes for one turn (`eval_max_turns`), its RL and MOPD for up to
-    `max_turns`: the eval command line the pipeline builds, and the teacher and student configs it hands on."""
+    `max_turns`: the evaluation settings the pipeline hands on, and the teacher and student configs."""
     from openk3.posttrain import pipeline as pl
+    from openk3.posttrain import report
 
     seen = {}
 
     class Stop(Exception):
         pass
 
-    def capture(module, argv):
-        seen[module.__name__.rsplit(".", 1)[-1]] = argv
+    def capture(models, out, **options):
+        seen.update(options, models=models)
         raise Stop
 
-    monkeypatch.setattr(pl, "_command", capture)
+    monkeypatch.setattr(report, "evaluate_models", capture)
     run = pl.Pipeline(tmp_path / "pt", preset="nano", profile="smoke", domains=("general",))
     with pytest.raises(Stop):
         run.eval()
-    argv = seen["eval"]
-    assert argv[argv.index("--max-turns") + 1] == "1" == str(pl.PROFILES["smoke"].eval_max_turns)
+    assert seen["max_turns"] == 1 == pl.PROFILES["smoke"].eval_max_turns
+    assert sorted(seen["models"]) == ["general/high", "general/low", "general/max", "merged", "sft", "student"]
     assert pl.PROFILES["smoke"].max_turns == 4  # what RL and MOPD use (the configs below)
     import openk3.posttrain.mopd as mopd_module
     import openk3.posttrain.rl as rl_module
@@ -198,15 +199,14 @@ def test_smoke_eval_ends_agentic_episodes_after_the_first_turn(tmp_path, monkeyp
 def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
     out = tmp_path / "pt"
     # "killed" after SFT: the next run must not redo base, data or SFT
-    assert run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1, stop_after="sft") is None
+    assert Pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1).run(stop_after="sft") is None
     assert stage_lines(capsys.readouterr().out) == {"base": "ran", "data": "ran", "sft": "ran"}
     assert not (out / "teachers").exists()
     sft_weights = next((out / "sft" / "checkpoints").glob("step_*/*.safetensors"))
     stamp = sft_weights.stat().st_mtime_ns
     data_stamp = (out / "data" / "sft_train.jsonl").stat().st_mtime_ns
 
-    run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1,
-                 stop_after="teacher general/max")
+    Pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1).run(stop_after="teacher general/max")
     assert stage_lines(capsys.readouterr().out) == {"base": "skipped", "data": "skipped", "sft": "skipped",
                                                     "teacher general/max": "ran"}
     assert sft_weights.stat().st_mtime_ns == stamp
@@ -217,14 +217,14 @@ def test_a_stopped_run_continues_with_the_next_stage(tmp_path, capsys):
 
     # a stage marked done whose output is gone runs again
     (out / "data" / "sft_train.jsonl").unlink()
-    run_pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1, stop_after="data")
+    Pipeline(out, preset="nano", profile="tiny", domains=("general",), threads=1).run(stop_after="data")
     assert stage_lines(capsys.readouterr().out) == {"base": "skipped", "data": "ran"}
 
     # the folder's run is kept: other settings are refused, naming them
     with pytest.raises(ValueError, match=r"other settings \(profile: 'tiny' -> 'smoke'\)"):
         Pipeline(out, preset="nano", profile="smoke", domains=("general",))
     with pytest.raises(ValueError, match="stop_after: no stage 'teacher agent/max'"):
-        run_pipeline(out, preset="nano", profile="tiny", domains=("general",), stop_after="teacher agent/max")
+        Pipeline(out, preset="nano", profile="tiny", domains=("general",)).run(stop_after="teacher agent/max")
 
 
 def test_bad_arguments_name_the_flag(tmp_path):

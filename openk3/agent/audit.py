@@ -28,8 +28,12 @@ from typing import Any
 MAX_INLINE_ARGS = 4096  # bytes of canonical JSON kept inline; larger args are logged by hash
 
 
-def canonical_json(value: Any) -> str:
-    """Sorted keys, no spaces, non-ASCII kept: the form whose sha256 identifies a call's arguments."""
+def canonical_json(value: Any, *, strict: bool = False) -> str:
+    """Sorted keys, no spaces: the form whose sha256 identifies a call's arguments (non-ASCII kept, anything not
+    JSON as its repr) and, `strict` (non-ASCII escaped, anything not JSON a TypeError: what the task graders
+    compute in the sandbox), whose HMAC a task's hidden expected results are kept as."""
+    if strict:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=repr)
 
 

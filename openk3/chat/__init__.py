@@ -18,7 +18,6 @@ from openk3.chat.xtml import (
     Segment,
     encode_segments,
     generation_prompt,
-    loss_mask,
     render,
     render_text,
     resolve_thinking,
@@ -26,6 +25,6 @@ from openk3.chat.xtml import (
 
 __all__ = [
     "CLOSE", "DEFAULT_THINKING_EFFORT", "END_OF_MSG", "OPEN", "PROBLEM_CODES", "SEP", "THINKING_EFFORTS",
-    "Encoded", "Segment", "StreamParser", "encode_segments", "generation_prompt", "loss_mask", "marker_ids_of",
+    "Encoded", "Segment", "StreamParser", "encode_segments", "generation_prompt", "marker_ids_of",
     "parse_completion", "parse_tokens", "render", "render_text", "resolve_thinking",
 ]

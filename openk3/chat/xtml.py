@@ -551,8 +551,3 @@ def encode_segments(segments: Iterable[Segment], tok: Any) -> Encoded:
         ids.extend(piece)
         mask.extend([seg.train] * len(piece))
     return Encoded(ids, mask)
-
-
-def loss_mask(segments: Iterable[Segment]) -> list[bool]:
-    """Per-segment loss mask (Segment.train)."""
-    return [s.train for s in segments]

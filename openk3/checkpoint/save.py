@@ -11,6 +11,7 @@ import torch
 
 from openk3.checkpoint import files
 from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_files, layout
+from openk3.checkpoint.runs import STATE_FILE  # a training checkpoint's optimizer state: `carried_files` skips it
 from openk3.common import resolve_dtype
 from openk3.fsutil import naming
 
@@ -156,3 +157,10 @@ class _Sources:
 def _trunk_dtype(model) -> torch.dtype:
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     return embed.weight.dtype if embed is not None else torch.bfloat16
+
+
+def carried_files(src: str) -> dict[str, str]:
+    """The files of SRC that a conversion carries over unchanged: tokenizer files, chat templates, remote
+    code, READMEs, ... (every plain file except the weights and what `save` rewrites)."""
+    return {p.name: str(p) for p in sorted(Path(src).iterdir())
+            if p.is_file() and not writes_itself(p.name) and p.name != STATE_FILE}

@@ -47,6 +47,25 @@ def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) 
                    help="CPU threads (default: $OPENK3_THREADS, else 1 on a 2-CPU machine, else torch's)")
 
 
+def rollout_run_settings(args: argparse.Namespace) -> dict:
+    """The run-config fields that `add_rollout_run_arguments`' flags give (and the CPU threads, set up here)."""
+    from openk3.common import setup_cpu
+    from openk3.posttrain.general import parse_levels
+
+    setup_cpu(args.threads)
+    return dict(split=args.split, levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
+                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+
+
+def on_policy_done(tag: str, last: dict, out: str, steps: int, summary: str) -> None:
+    """The last line of `openk3 rl` / `openk3 distill`: the final step's `summary`, or that there was nothing to
+    do (`last` empty: the run in `out` had already taken its `steps`)."""
+    if last:
+        print(f"[{tag}] done: step {last['step']}, {summary}; checkpoints in {out}/checkpoints", flush=True)
+    else:
+        print(f"[{tag}] {out} already has {steps} steps; nothing to do", flush=True)
+
+
 def positive_int(value: str) -> int:
     """An argparse `type=` for counts and lengths that must be >= 1 (`--max-model-len`): 0 or a negative number
     is a usage error naming the value, not a silent "default" (the engine reads 0 as "not given")."""

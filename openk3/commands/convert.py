@@ -27,22 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="shard size limit in GiB")
 
 
-def carried_files(src: str) -> dict[str, str]:
-    """The files of SRC that a conversion carries over unchanged: tokenizer files, chat templates, remote
-    code, READMEs, ... (every plain file except the weights and what `save` rewrites)."""
-    from pathlib import Path
-
-    from openk3.checkpoint.runs import STATE_FILE  # a training checkpoint's optimizer state: not a model's
-    from openk3.checkpoint.save import writes_itself
-
-    return {p.name: str(p) for p in sorted(Path(src).iterdir())
-            if p.is_file() and not writes_itself(p.name) and p.name != STATE_FILE}
-
 
 def main(args: argparse.Namespace) -> int:
     import os
 
     from openk3.checkpoint import load, read_config, resolve_checkpoint, save
+    from openk3.checkpoint.save import carried_files
 
     args.src = str(resolve_checkpoint(args.src))  # a run folder converts its latest checkpoint
     if os.path.abspath(args.src) == os.path.abspath(args.dst):

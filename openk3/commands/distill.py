@@ -54,24 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from openk3.common import setup_cpu
-    from openk3.posttrain.general import parse_levels
+    from openk3.commands.common import on_policy_done, rollout_run_settings
     from openk3.posttrain.mopd import MOPDConfig, distill
 
-    setup_cpu(args.threads)
     cells = tuple(c.strip() for c in args.cells.split(",") if c.strip()) if args.cells else ()
     cfg = MOPDConfig(student=args.student, teachers=args.teachers, cells=cells, steps=args.steps,
                      prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                      clip=args.clip or None, alpha=args.alpha, ppo_epochs=args.ppo_epochs,
                      ratio_clip=tuple(args.ratio_clip), adv_floor=args.adv_floor, lr=args.lr,
                      response_cap=args.response_cap, think_cap=args.think_cap, max_turns=args.max_turns,
-                     split=args.split, levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
-                     max_num_seqs=args.max_num_seqs,
-                     max_model_len=args.max_model_len)
+                     **rollout_run_settings(args))
     last = distill(cfg, args.out)
-    if last:
-        print(f"[distill] done: step {last['step']}, reverse KL {last['reverse_kl']:.4f}, clipped "
-              f"{last['clipped_frac']:.3f}, think {last['think_mean']:.1f}; checkpoints in {args.out}/checkpoints")
-    else:
-        print(f"[distill] {args.out} already has {cfg.steps} steps; nothing to do")
+    on_policy_done("distill", last, args.out, cfg.steps, last and f"reverse KL {last['reverse_kl']:.4f}, clipped "
+                   f"{last['clipped_frac']:.3f}, think {last['think_mean']:.1f}")
     return 0

@@ -8,7 +8,7 @@
 
 A model name that is a cell ("general/low") is that cell's RL teacher and goes under "teachers" in
 report.json; any other name (sft, student, merged, merged-ties, ...) is a model of its own. Each model is
-evaluated on every chosen cell (`openk3.posttrain.evaluate`); the command writes <out>/report.json
+evaluated on every chosen cell (`openk3.posttrain.report.evaluate_models`); the command writes <out>/report.json
 ({"models", "checkpoints", "settings"}), <out>/report.md and the PNG plots, plus the training curves of
 --teacher-metrics / --mopd-metrics files when given. Each finished model is also saved to
 <out>/models/<name>.json, so an interrupted run restarts from the next model (same settings only).
@@ -81,69 +81,17 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    import json
-    import os
-
-    from openk3.checkpoint.load import resolve_checkpoint
     from openk3.common import setup_cpu
-    from openk3.fsutil import read_json, write_atomic
-    from openk3.posttrain.budget import BudgetConfig
-    from openk3.posttrain.evaluate import CELLS, evaluate, parse_cells, report_problems, write_report
     from openk3.posttrain.general import parse_levels
+    from openk3.posttrain.report import evaluate_models
 
     setup_cpu(args.threads)
-    models_in = _pairs(args.models, "--models")
-    if "teachers" in models_in:
-        raise ValueError("--models: 'teachers' is the report's group of the nine; name a teacher by its cell "
-                         "(general/low=DIR)")
-    for name in models_in:
-        if "/" in name and name not in CELLS:
-            raise ValueError(f"--models: {name!r} is not a cell (cells: {', '.join(CELLS)})")
-    teacher_metrics = _pairs(args.teacher_metrics, "--teacher-metrics")
-    for what, file in [*teacher_metrics.items(), ("--mopd-metrics", args.mopd_metrics)]:
-        if file is not None and not os.path.isfile(file):  # checked now, not after hours of evaluation
-            raise ValueError(f"{what}: no metrics file {file}")
-    cells = parse_cells(args.cells)
-    levels = parse_levels(args.levels)
-    budget = BudgetConfig(b_floor=args.b_floor)
-    settings = {"cells": [f"{d}/{e}" for d, e in cells], "n_per_cell": args.n, "samples": args.samples,
-                "split": args.split, "seed": args.seed, "temperature": args.temperature, "think_cap": args.think_cap,
-                "response_cap": args.response_cap, "max_turns": args.max_turns, "b_floor": args.b_floor,
-                "max_model_len": args.max_model_len, "prompt_effort": args.prompt_effort,
-                "budget_forcing": args.budget_forcing, **({"levels": list(levels)} if levels else {})}
-    done_dir = os.path.join(args.out, "models")
-    os.makedirs(done_dir, exist_ok=True)
-    models: dict = {}
-    checkpoints: dict = {}
-    for name, path in models_in.items():
-        folder = str(resolve_checkpoint(path))
-        done = os.path.join(done_dir, name.replace("/", "_") + ".json")
-        saved = read_json(done) if os.path.isfile(done) else None
-        if saved is not None and saved.get("settings") == settings and saved.get("checkpoint") == folder:
-            print(f"[eval] {name}: reusing {done}", flush=True)
-            m = saved["metrics"]
-        else:
-            print(f"[eval] {name}: {folder} on {len(cells)} cells x {args.n} problems x {args.samples}", flush=True)
-            m = evaluate(folder, cells, args.n, args.split, args.seed, args.temperature, args.samples,
-                         think_cap=args.think_cap, response_cap=args.response_cap, max_turns=args.max_turns,
-                         budget=budget, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                         prompt_effort=args.prompt_effort, budget_forcing=args.budget_forcing, device=args.device,
-                         levels=levels)
-            write_atomic(done, (json.dumps({"settings": settings, "checkpoint": folder, "metrics": m}) + "\n").encode())
-        for d, e in cells:
-            c = m[d][e]
-            print(f"[eval] {name} {d}/{e}: accuracy {c['accuracy']:.3f}, think {c['thinking_tokens']:.1f} "
-                  f"(p90 {c['thinking_tokens_p90']:.0f}), compliance {c['budget_compliance']:.2f}, n {c['n']}",
-                  flush=True)
-        if name in CELLS:
-            models.setdefault("teachers", {})[name] = m
-            checkpoints.setdefault("teachers", {})[name] = folder
-        else:
-            models[name], checkpoints[name] = m, folder
-    write_report(models, checkpoints, args.out, settings=settings, teacher_metrics=teacher_metrics,
-                 mopd_metrics=args.mopd_metrics)
-    missing = report_problems({"models": models, "checkpoints": checkpoints})
-    if missing:  # partial evaluations are legitimate (one model, one domain); the pipeline's contract is not met
-        print(f"[eval] note: not the full issue-18 report ({len(missing)} gaps, e.g. {missing[0]})", flush=True)
-    print(f"[eval] done: {os.path.join(args.out, 'report.json')}, report.md and plots", flush=True)
+    evaluate_models(_pairs(args.models, "--models"), args.out, cells=args.cells, n_per_cell=args.n,
+                    samples=args.samples, split=args.split, seed=args.seed, temperature=args.temperature,
+                    think_cap=args.think_cap, response_cap=args.response_cap, max_turns=args.max_turns,
+                    b_floor=args.b_floor, levels=parse_levels(args.levels), prompt_effort=args.prompt_effort,
+                    budget_forcing=args.budget_forcing, max_num_seqs=args.max_num_seqs,
+                    max_model_len=args.max_model_len, device=args.device,
+                    teacher_metrics=_pairs(args.teacher_metrics, "--teacher-metrics"),
+                    mopd_metrics=args.mopd_metrics, say=lambda msg: print(f"[eval] {msg}", flush=True))
     return 0

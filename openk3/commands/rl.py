@@ -61,24 +61,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from openk3.common import setup_cpu
-    from openk3.posttrain.general import parse_levels
+    from openk3.commands.common import on_policy_done, rollout_run_settings
     from openk3.posttrain.rl import RLConfig, rl
 
-    setup_cpu(args.threads)
     cfg = RLConfig(model=args.model, domain=args.domain, effort=args.effort, steps=args.steps,
                    prompts_per_step=args.prompts_per_step, group_size=args.group_size, loss=args.loss, lr=args.lr,
                    tau=args.tau, baseline=args.baseline, std=args.std, clip_low=args.clip_low,
                    clip_high=args.clip_high, is_mode=args.is_mode, is_bounds=tuple(args.is_bounds),
                    temperature=args.temperature, response_cap=args.response_cap, max_turns=args.max_turns,
                    budget_from_effort=args.budget_from_effort, anneal_fraction=args.anneal_fraction,
-                   b_floor=args.b_floor, budget_cap=args.budget_cap, split=args.split,
-                   levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
-                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                   b_floor=args.b_floor, budget_cap=args.budget_cap, **rollout_run_settings(args))
     last = rl(cfg, args.out)
-    if last:
-        print(f"[rl] done: step {last['step']}, reward {last['reward']:.3f}, over budget "
-              f"{last['over_budget_rate']:.2f}, think {last['think_mean']:.1f}; checkpoints in {args.out}/checkpoints")
-    else:
-        print(f"[rl] {args.out} already has {cfg.steps} steps; nothing to do")
+    on_policy_done("rl", last, args.out, cfg.steps, last and f"reward {last['reward']:.3f}, over budget "
+                   f"{last['over_budget_rate']:.2f}, think {last['think_mean']:.1f}")
     return 0

@@ -12,11 +12,11 @@ See `corpus` (built-in corpus), `sources` (user data), `shards` (tokenised cache
 
 from openk3.data.corpus import Document, builtin_corpus, describe, iter_documents
 from openk3.data.loader import IGNORE_INDEX, PackedLoader, bits_per_byte, eval_batches, evaluate_bpb, make_rows
-from openk3.data.shards import TokenDataset, TokenSplit, build_dataset, dataset_key, tokenizer_fingerprint
+from openk3.data.shards import TokenDataset, TokenSplit, build_dataset, dataset_key
 from openk3.data.sources import DataConfig, iter_texts, resolve_sources, source_identity
 
 __all__ = [
     "IGNORE_INDEX", "DataConfig", "Document", "PackedLoader", "TokenDataset", "TokenSplit", "bits_per_byte",
     "build_dataset", "builtin_corpus", "dataset_key", "describe", "eval_batches", "evaluate_bpb", "iter_documents",
-    "iter_texts", "make_rows", "resolve_sources", "source_identity", "tokenizer_fingerprint",
+    "iter_texts", "make_rows", "resolve_sources", "source_identity",
 ]

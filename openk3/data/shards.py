@@ -29,7 +29,6 @@ least one document (fewer than 2 documents in all is an error).
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import json
@@ -44,8 +43,9 @@ import numpy as np
 
 from openk3.data.sources import DataConfig, iter_texts, source_identity
 from openk3.fsutil import fsync_dir
+from openk3.tokenizer.files import tokenizer_fingerprint
 
-__all__ = ["FORMAT", "TokenDataset", "TokenSplit", "build_dataset", "dataset_key", "tokenizer_fingerprint"]
+__all__ = ["FORMAT", "TokenDataset", "TokenSplit", "build_dataset", "dataset_key"]
 
 FORMAT = "openk3-tokens-v1"
 SPLITS = ("train", "val")
@@ -88,18 +88,6 @@ class TokenSplit:
         """Ids of document `i` (ending in EOS)."""
         return self.tokens[int(self.doc_offsets[i]):int(self.doc_offsets[i + 1])]
 
-    @classmethod
-    def from_documents(cls, docs: list[list[int]], eos_id: int, *, name: str = "split",
-                       token_bytes: np.ndarray | None = None, num_bytes: int | None = None) -> TokenSplit:
-        """An in-memory split from lists of ids (EOS appended to each); for tests and small experiments."""
-        if not docs:
-            raise ValueError("a split needs at least one document")
-        ids = np.concatenate([np.asarray([*d, eos_id], dtype=np.int64) for d in docs])
-        offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(d) + 1 for d in docs])
-        if num_bytes is None:
-            num_bytes = int(token_bytes[ids].sum()) if token_bytes is not None else 0
-        return cls(name, ids.astype(np.uint32), offsets, num_bytes, token_bytes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,19 +108,6 @@ class TokenDataset:
 
 
 # ------------------------------------------------------------------------------------------- keys
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """sha256 of what decides the ids: the `tiktoken.model` bytes the tokenizer would write, its special
-    ids, eos id and the encode slicing limits."""
-    h = hashlib.sha256()
-    for tok, rank in sorted(tokenizer.ranks.items(), key=lambda kv: kv[1]):
-        h.update(base64.b64encode(tok) + b" " + str(rank).encode() + b"\n")
-    extra = {"special_ids": sorted(tokenizer.special_ids.items(), key=lambda kv: kv[1]), "eos_id": tokenizer.eos_id,
-             "max_encode_chars": getattr(tokenizer, "max_encode_chars", None),
-             "max_run_chars": getattr(tokenizer, "max_run_chars", None)}
-    h.update(json.dumps(extra, sort_keys=True).encode())
-    return h.hexdigest()
 
 
 def dataset_key(cfg: DataConfig, tokenizer) -> str:

@@ -148,13 +148,6 @@ class Mesh:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
-    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
-        if self.data_parallel:
-            import torch.distributed as dist
-
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t
-
     def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's `t` along dim 0 in rank order (= the global batch's order)."""
         if not self.data_parallel:

@@ -1,8 +1,8 @@
-"""Evaluation of post-trained models on every (domain, effort) cell, and the report (issue 18 item 6).
+"""Evaluation of post-trained models on every (domain, effort) cell (issue 18 item 6).
 
     M = evaluate("runs/student", n_per_cell=64, samples=4)          # {domain: {effort: cell metrics}}
-    write_report({"sft": M0, "student": M, "teachers": {"general/low": Mt, ...}},
-                 {"sft": "runs/sft", ...}, "runs/eval")              # report.json, report.md, the plots
+
+The report over several models (report.json, report.md, the plots) is `openk3.posttrain.report`.
 
 A cell (d, e) draws `n_per_cell` problems of domain d from `rl_problems.ProblemSource` (the RL problems, on
 the `test` split by default; the same problems for every model and every effort, since the draw depends on
@@ -33,14 +33,11 @@ Per cell (background §3.9), over all n = problems x samples trajectories:
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 from openk3.chat import CLOSE, SEP, THINKING_EFFORTS
-from openk3.fsutil import write_atomic
 from openk3.posttrain.budget import BudgetConfig
 from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl_problems import ProblemSource
@@ -180,13 +177,6 @@ def budget_forced_rollout(engine, problems: Sequence[Problem], budgets: dict[str
     return first
 
 
-def draw_chunks(source: ProblemSource, n_per_cell: int, batch_problems: int = DRAW_CHUNK):
-    """(chunk index, problems) for one cell: n_per_cell problems in chunks of at most batch_problems (chunk k
-    is the source's step k), so at most one chunk's sandboxes are open at a time. The caller releases them."""
-    for chunk, start in enumerate(range(0, n_per_cell, batch_problems)):
-        yield chunk, source.draw(chunk, min(batch_problems, n_per_cell - start), total_steps=1)
-
-
 def evaluate_engine(engine, tokenizer, cells: Iterable[tuple[str, str]] | str | None = None, n_per_cell: int = MIN_N,
                     split: str = "test", seed: int = 0, temperature: float = 1.0, samples: int = 1, *,
                     think_cap: int | None = None, response_cap: int = RESPONSE_CAP, max_turns: int = 8,
@@ -302,40 +292,7 @@ def evaluate(model_dir: str | os.PathLike, cells: Iterable[tuple[str, str]] | st
                            **options)
 
 
-# ---- the report --------------------------------------------------------------------------------------
-
-
-def _cell(m: dict, domain: str, effort: str) -> dict | None:
-    return m.get(domain, {}).get(effort)
-
-
-def report_problems(report: dict, min_n: int = MIN_N) -> list[str]:
-    """What keeps `report` from the issue 18 contract: every model (sft, student, merged, the nine
-    teachers) with all nine cells, accuracy / thinking_tokens / n in each, n >= min_n, and a checkpoint
-    for each. An empty list means it follows the contract."""
-    problems: list[str] = []
-    models, checkpoints = report.get("models", {}), report.get("checkpoints", {})
-    keys = [(k,) for k in MODEL_KEYS] + [("teachers", c) for c in CELLS]
-    for key in keys:
-        name = "/".join(key)
-        m, ckpt = models, checkpoints
-        for part in key:
-            m = m.get(part) if isinstance(m, dict) else None
-            ckpt = ckpt.get(part) if isinstance(ckpt, dict) else None
-        if not isinstance(ckpt, str) or not ckpt:
-            problems.append(f"checkpoints: no folder for {name}")
-        if not isinstance(m, dict):
-            problems.append(f"models: no {name}")
-            continue
-        for cell in CELLS:
-            c = _cell(m, *cell.split("/"))
-            if c is None:
-                problems.append(f"models.{name}: no cell {cell}")
-            elif any(k not in c for k in ("accuracy", "thinking_tokens", "n")):
-                problems.append(f"models.{name}.{cell}: missing accuracy, thinking_tokens or n")
-            elif c["n"] < min_n:
-                problems.append(f"models.{name}.{cell}: n = {c['n']} < {min_n}")
-    return problems
+# ---- the models of a report ---------------------------------------------------------------------------
 
 
 def model_rows(models: dict) -> list[tuple[str, dict]]:
@@ -348,146 +305,3 @@ def model_rows(models: dict) -> list[tuple[str, dict]]:
     rows += [(f"teacher {c}", teachers[c]) for c in CELLS if c in teachers]
     rows += [(f"teacher {c}", teachers[c]) for c in sorted(teachers) if c not in CELLS]
     return rows
-
-
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}" if value == value else "nan"
-    return str(value)
-
-
-def _grid(rows: list[tuple[str, dict]], key: str, digits: int) -> list[str]:
-    cells = [c for c in CELLS if any(_cell(m, *c.split("/")) for _, m in rows)]
-    lines = ["| model | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
-    for label, m in rows:
-        values = [(_cell(m, *c.split("/")) or {}).get(key) for c in cells]
-        lines.append(f"| {label} | " + " | ".join(_fmt(v, digits) for v in values) + " |")
-    return lines
-
-
-def effort_ordering(m: dict) -> dict[str, bool | None]:
-    """Per domain: are mean think tokens strictly ordered low < high < max (None: not all three evaluated)."""
-    out: dict[str, bool | None] = {}
-    for domain in DOMAINS:
-        cells = [_cell(m, domain, e) for e in THINKING_EFFORTS]
-        if any(c is not None for c in cells):
-            out[domain] = None if None in cells else all(
-                a["thinking_tokens"] < b["thinking_tokens"] for a, b in zip(cells, cells[1:]))
-    return out
-
-
-def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
-    """Issue 18's success criteria for a full report, as (criterion, met (None: cannot be judged), detail):
-    every teacher beats SFT on its own cell; think tokens strictly ordered low < high < max in every domain,
-    for the teachers (each on its own cell) and for the student; the student recovers >= 90 % of each
-    teacher's accuracy gain over SFT on its cell (cells where the teacher gained nothing cannot be judged).
-    The merged model's recovery is reported beside the student's, not judged."""
-    sft, teachers = models.get("sft") or {}, models.get("teachers") or {}
-    own = {c: _cell(m, *c.split("/")) for c, m in teachers.items()}
-    base = {c: _cell(sft, *c.split("/")) for c in own}
-    pairs = {c: (own[c]["accuracy"], base[c]["accuracy"]) for c in own if own[c] and base[c]}
-    out: list[tuple[str, bool | None, str]] = []
-    beats = [c for c, (t, s) in pairs.items() if t > s]
-    out.append(("each teacher beats SFT on its own cell", (len(beats) == len(pairs)) if pairs else None,
-                f"{len(beats)} of {len(pairs)}" + (f"; not: {', '.join(c for c in pairs if c not in beats)}"
-                                                  if len(beats) < len(pairs) else "")))
-    teachers_m: dict = {}  # an M of each teacher on its own cell, so `effort_ordering` reads it
-    for c, cell in own.items():
-        if cell is not None:
-            d, e = c.split("/")
-            teachers_m.setdefault(d, {})[e] = cell
-    for who, m in (("teachers'", teachers_m), ("student's", models.get("student") or {})):
-        ordered = {d: v for d, v in effort_ordering(m).items() if v is not None}
-        out.append((f"{who} think tokens low < high < max in every domain", all(ordered.values()) if ordered else None,
-                    ", ".join(f"{d} {'yes' if v else 'no'}" for d, v in ordered.items())))
-
-    def recovered(m: dict) -> tuple[list[bool], str]:  # per cell with a teacher gain: share >= 90 %; the text
-        judged, shares = [], []
-        for c, (t, s) in pairs.items():
-            got = _cell(m, *c.split("/"))
-            if got is not None and t > s:
-                share = (got["accuracy"] - s) / (t - s)
-                judged.append(share >= 0.9)
-                shares.append(f"{c} {100 * share:.0f} %")
-            elif got is not None:
-                shares.append(f"{c} n/a")
-        return judged, ", ".join(shares)
-
-    judged, detail = recovered(models.get("student") or {})
-    out.append(("student recovers >= 90 % of each teacher's gain over SFT", all(judged) if judged else None, detail))
-    out.append(("merged: share of each teacher's gain over SFT (reported)", None,
-                recovered(models.get("merged") or {})[1]))
-    return out
-
-
-def report_markdown(models: dict, checkpoints: dict, settings: dict | None = None,
-                    plots: Sequence[str] = ()) -> str:
-    rows = model_rows(models)
-    lines = ["# Post-training evaluation", ""]
-    if settings:
-        lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
-    lines += ["Accuracy is the mean task reward (pass@1 over all samples); think tokens count the think channel "
-              "of every assistant turn; compliance is the share within the cell's budget B_e(x).", ""]
-    for title, key, digits in (("Accuracy", "accuracy", 3), ("Mean think tokens", "thinking_tokens", 1),
-                               ("p90 think tokens", "thinking_tokens_p90", 0),
-                               ("Budget compliance", "budget_compliance", 3),
-                               ("Invalid tool calls per trajectory", "invalid_tool_calls", 2)):
-        lines += [f"## {title}", "", *_grid(rows, key, digits), ""]
-    lines += ["## Effort ordering (mean think tokens low < high < max)", "",
-              "| model | " + " | ".join(DOMAINS) + " |", "|---|" + "---|" * len(DOMAINS)]
-    for label, m in rows:
-        order = effort_ordering(m)
-        lines.append(f"| {label} | " + " | ".join({True: "yes", False: "no", None: "–"}[order.get(d)]
-                                                 for d in DOMAINS) + " |")
-    lines.append("")
-    if models.get("sft") and models.get("teachers"):
-        lines += ["## Success criteria (issue 18)", "", "| criterion | met | detail |", "|---|---|---|"]
-        for name, met, detail in success_criteria(models):
-            lines.append(f"| {name} | {({True: 'yes', False: 'no', None: 'cannot judge'})[met]} | {detail} |")
-        lines.append("")
-    for label, m in rows:
-        lines += [f"## {label}", ""]
-        ckpt = _checkpoint_of(checkpoints, label)
-        if ckpt:
-            lines += [f"Checkpoint: `{ckpt}`", ""]
-        lines += ["| cell | accuracy | think mean | think p90 | compliance | invalid calls | turns | generated | "
-                  "format fail | n |", "|---|" + "---:|" * 9]
-        for cell in CELLS:
-            c = _cell(m, *cell.split("/"))
-            if c is not None:
-                lines.append(f"| {cell} | {_fmt(c['accuracy'])} | {_fmt(c['thinking_tokens'], 1)} | "
-                             f"{_fmt(c.get('thinking_tokens_p90'), 0)} | {_fmt(c.get('budget_compliance'))} | "
-                             f"{_fmt(c.get('invalid_tool_calls'), 2)} | {_fmt(c.get('turns'), 2)} | "
-                             f"{_fmt(c.get('generated_tokens'), 1)} | {_fmt(c.get('format_failure_rate'))} | "
-                             f"{c['n']} |")
-        lines.append("")
-    if plots:
-        lines += ["## Plots", "", *[f"![{p}]({p})" for p in plots], ""]
-    return "\n".join(lines)
-
-
-def _checkpoint_of(checkpoints: dict, label: str) -> str | None:
-    if label.startswith("teacher "):
-        return checkpoints.get("teachers", {}).get(label[len("teacher "):])
-    return checkpoints.get(label)
-
-
-def write_report(models: dict, checkpoints: dict, out_dir: str | os.PathLike, *, settings: dict | None = None,
-                 teacher_metrics: dict[str, str] | None = None, mopd_metrics: str | None = None,
-                 plots: bool = True) -> dict:
-    """Write out_dir/report.json ({"models", "checkpoints", "settings"}; atomic), report.md (tables) and
-    the plots (`plots.write_plots`: from the models, and the training curves of `teacher_metrics`
-    {name: metrics.jsonl} and `mopd_metrics`). Returns the report."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"models": models, "checkpoints": checkpoints, **({"settings": settings} if settings else {})}
-    written: list[str] = []
-    if plots:
-        from openk3.posttrain.plots import write_plots
-
-        written = write_plots(models, out, teacher_metrics=teacher_metrics, mopd_metrics=mopd_metrics)
-    write_atomic(out / "report.json", (json.dumps(report, indent=1) + "\n").encode())
-    write_atomic(out / "report.md", report_markdown(models, checkpoints, settings, written).encode())
-    return report

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -287,3 +288,87 @@ def dare(base: StateDict, models: Sequence[StateDict], *, density: float, seed: 
 def model_stock(base: StateDict, models: Sequence[StateDict]) -> dict[str, torch.Tensor]:
     """Model Stock: per tensor t from the task vectors' mean cosine; t * mean theta_i + (1 - t) theta_0."""
     return merge(base, models, "model_stock").state_dict
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+#: Density used when none is given: inside §3.7's tuning ranges.
+DEFAULT_DENSITY = {"ties": 0.5, "dare_ties": 0.3, "dare_task_arithmetic": 0.3}
+REPORT_FILE = "merge_report.json"
+
+
+def config_difference(base, other) -> str | None:
+    """The first architecture field (name = base value vs other value) in which two configs differ, or
+    None. Metadata kept in `extra` (wrapper fields, quantization_config, ...) is not compared."""
+    a, b = dataclasses.asdict(base), dataclasses.asdict(other)
+    for key in a:
+        if key != "extra" and a[key] != b[key]:
+            return f"{key} = {a[key]!r} in the base, {b[key]!r} here"
+    return None
+
+
+def merge_checkpoints(base: str | os.PathLike, models: Sequence[str | os.PathLike], out: str | os.PathLike,
+                      method: str, *, weights: Sequence[float] | None = None, lam: float = 1.0,
+                      density: float | None = None, seed: int = 0, dtype: str | torch.dtype | None = "auto",
+                      say: Callable[[str], None] | None = None) -> dict:
+    """Merge release-format checkpoints (or run folders: their latest checkpoint) that share `base` and write
+    the result to `out` (atomically, in the base's expert format, with the base's other files and
+    `merge_report.json`); returns that report. Every config must equal the base's and all must share one
+    routed-expert format (MXFP4 experts are dequantised, merged and requantised, the error recorded). `dtype`:
+    the output's on-disk dtype for what is not an fp32 island or MXFP4 bytes ("auto": as in the base). All
+    N + 1 models are held in memory in float32 at once: this is for the ablation's model sizes."""
+    import json
+    import tempfile
+
+    from openk3.checkpoint import load, read_config, resolve_checkpoint, save
+    from openk3.checkpoint.save import carried_files
+
+    base = resolve_checkpoint(base)
+    folders = [resolve_checkpoint(m) for m in models]
+    out = os.path.abspath(out)
+    for p in (base, *folders):
+        if os.path.abspath(p) == out:
+            raise ValueError(f"--out {out} is one of the inputs ({p}); write the merge elsewhere")
+    if weights is not None and len(weights) != len(folders):
+        raise ValueError(f"--weights: {len(weights)} weights for {len(folders)} models")
+    density = density if density is not None else DEFAULT_DENSITY.get(method, 1.0)
+
+    def experts_format(cfg) -> str:
+        return "mxfp4" if "quantization_config" in cfg.extra else "float"
+
+    base_cfg = read_config(base)
+    packed = experts_format(base_cfg) == "mxfp4"
+    for m in folders:
+        cfg = read_config(m)
+        diff = config_difference(base_cfg, cfg)
+        if diff is not None:
+            raise ValueError(f"{m / 'config.json'}: config differs from the base {base}: {diff}")
+        if experts_format(cfg) != experts_format(base_cfg):
+            raise ValueError(f"{m}: routed experts are {experts_format(cfg)}, the base's are "
+                             f"{experts_format(base_cfg)}; convert one side first (openk3 convert --experts)")
+    # the base, as the output's container, in the output dtype (auto: as on disk); MXFP4 experts stay
+    # packed so that `merge` dequantises, merges and requantises them and records the error
+    model = load(base, dtype=dtype, keep_packed=packed)
+    out_dtype = model.model.embed_tokens.weight.dtype
+
+    def fp32(sd):
+        return {k: v.float() if v.is_floating_point() else v for k, v in sd.items()}
+
+    base_sd = fp32(model.state_dict())
+    model_sds = [load(m, dtype=torch.float32, keep_packed=packed).state_dict() for m in folders]
+    result = merge(base_sd, model_sds, method, weights=weights, lam=lam, density=density, seed=seed)
+    del model_sds
+    model.load_state_dict(result.state_dict)
+    report = {"base": str(base), "models": [str(m) for m in folders], "dtype": str(out_dtype).removeprefix("torch."),
+              "experts": "mxfp4" if packed else "float", **result.report}
+    with tempfile.TemporaryDirectory() as tmp:
+        report_path = os.path.join(tmp, REPORT_FILE)
+        with open(report_path, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=1)
+        save(model, out, dtype=out_dtype, extra_files={**carried_files(str(base)), REPORT_FILE: report_path})
+    if say is not None:
+        worst = max((e["rel_rms"] for e in result.report["quant_error"].values()), default=None)
+        quant = f"; MXFP4 requantisation error <= {worst:.2e} relative RMS" if worst is not None else ""
+        say(f"{method} of {len(folders)} models onto {base} -> {out} (lam {lam}, density {density}, "
+            f"{report['dtype']}{quant})")
+    return report

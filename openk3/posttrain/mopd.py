@@ -48,21 +48,11 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.fsutil import read_json
 from openk3.posttrain import losses
 from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl import make_batch, masked_mean, policy_backward, token_logprobs
 from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
-from openk3.posttrain.run import (
-    check_micro_tokens,
-    check_router_biases,
-    open_run,
-    optimizer_for,
-    router_biases,
-    save_step,
-    say,
-    write_rollouts,
-)
+from openk3.posttrain.run import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
 
 CONFIG_FILE = "mopd_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
@@ -355,22 +345,11 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
 # ---- the run ----------------------------------------------------------------------------------------
 
 
-def _say(msg: str) -> None:
-    say("distill", msg)
-
-
-def _check_resume(out: Path, cfg: MOPDConfig) -> MOPDConfig:
-    """`cfg` for resuming the run in `out` (its starting student as saved), or ValueError naming the settings
-    that changed (any but RESUMABLE_CHANGES). The teachers may move (same cells; the paths are not compared)."""
-    saved = MOPDConfig.from_dict(read_json(out / CONFIG_FILE), str(out / CONFIG_FILE))
-    changed = [f"{k}: {getattr(saved, k)!r} -> {v!r}" for k, v in dataclasses.asdict(cfg).items()
-               if getattr(saved, k) != v and k not in RESUMABLE_CHANGES]
+def _teacher_cells_changed(saved: MOPDConfig, cfg: MOPDConfig) -> list[str]:
+    """The teachers may move (same cells; their paths are not compared), their cells may not."""
     if sorted(saved.teachers) != sorted(cfg.teachers):
-        changed.append(f"teacher cells: {sorted(saved.teachers)} -> {sorted(cfg.teachers)}")
-    if changed:
-        raise ValueError(f"{out}: resuming a run with changed settings ({'; '.join(changed)}); use a new --out "
-                         f"or the saved settings ({out / CONFIG_FILE})")
-    return dataclasses.replace(cfg, student=saved.student)
+        return [f"teacher cells: {sorted(saved.teachers)} -> {sorted(cfg.teachers)}"]
+    return []
 
 
 def _sources(cfg: MOPDConfig, tok, sandbox_options: dict | None) -> dict:
@@ -408,50 +387,40 @@ def release(sources: Mapping, problems: list[Problem]) -> None:
 
 
 def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dict], None] | None = None,
-            sandbox_options: dict | None = None) -> dict:
+            sandbox_options: dict | None = None, progress: bool = True) -> dict:
     """Run (or resume) MOPD for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics
     ({} when the run had already finished). on_step(step, metrics) runs after each step's metrics are logged
     (before its checkpoint)."""
     from openk3.infer.engine import Engine
-    from openk3.train.metrics import MetricsLog, truncate_after
+    from openk3.log import reporter
 
     if not cfg.teachers:
         raise ValueError("no teachers: give --teachers (a JSON file {\"general/high\": DIR, ...})")
     out = Path(out_dir)
+    report = reporter("distill")
     run = open_run(out, cfg, config_file=CONFIG_FILE, start_field="student", missing="no student: give --student",
-                   tag="distill", check_resume=_check_resume)
+                   resumable=RESUMABLE_CHANGES, report=report, extra_changes=_teacher_cells_changed)
     cfg, model, tok, start = run.cfg, run.model, run.tok, run.start
     if start >= cfg.steps:
         return {}
     teachers = load_teachers(cfg.teachers, cfg.cells, run.folder, model.config.vocab_size)
     torch.manual_seed(cfg.seed)
     opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
-    metrics_path = out / "metrics.jsonl"
-    truncate_after(str(metrics_path), start)
-    (out / "rollouts").mkdir(exist_ok=True)
     sources = _sources(cfg, tok, sandbox_options)
     slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
     engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
     # A think count never reaches the context limit, so with no think_cap the sampler's budget stop never fires.
     think_cap = cfg.think_cap or engine.max_model_len
     roll_cfg = dict(group_size=cfg.group_size, response_cap=cfg.response_cap, over_budget_reward=THINK_CAP_REWARD)
-    bias_before = router_biases(model)
-    last: dict = {}
-    with MetricsLog(str(metrics_path)) as log:
-        for step in range(start, cfg.steps):
-            problems = draw_problems(cfg, sources, step, think_cap)
-            try:
-                records, last = mopd_step(cfg, model, opt, engine, problems, teachers, tok,
-                                          RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
-            finally:
-                release(sources, problems)
-            write_rollouts(out, step + 1, records)
-            log.log(last)
-            _say(f"step {step + 1}/{cfg.steps}: reverse KL {last['reverse_kl']:.4f}, clipped "
-                 f"{last['clipped_frac']:.3f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
-            if on_step is not None:
-                on_step(step + 1, last)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save_step(out, step + 1, model, opt, cfg, run.tok_files)
-    check_router_biases(model, bias_before, "MOPD")
-    return last
+
+    def step_fn(problems: list[Problem], step: int) -> tuple[list[dict], dict]:
+        roll = RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg)
+        return mopd_step(cfg, model, opt, engine, problems, teachers, tok, roll, step)
+
+    def line(m: dict) -> str:
+        return (f"reverse KL {m['reverse_kl']:.4f}, clipped {m['clipped_frac']:.3f}, think {m['think_mean']:.1f}, "
+                f"loss {m['loss']:.4g}")
+
+    job = OnPolicyJob("distill", out, run, opt, draw=lambda step: draw_problems(cfg, sources, step, think_cap),
+                      step_fn=step_fn, release=lambda problems: release(sources, problems), line=line)
+    return drive(job, cfg.steps, cfg.save_every, report, on_step, what="MOPD", progress=progress)

@@ -1,6 +1,6 @@
 """`openk3 posttrain`: the whole post-training pipeline of issue 18 (item 7; background §3.1-3.9).
 
-    run_pipeline("runs/pt", preset="nano", profile="smoke", domains=("general",))
+    report = Pipeline("runs/pt", preset="nano", profile="smoke", domains=("general",)).run()
 
 Stages, each in its own sub-folder of the output folder DIR, in this order:
 
@@ -17,10 +17,12 @@ Stages, each in its own sub-folder of the output folder DIR, in this order:
                                                 effort's (background §3.3)
     mopd                   student/             `posttrain.mopd.distill`: the student (from SFT) learns every cell
                                                 from its own teacher
-    merge                  merged/              `openk3 merge` of the teachers onto SFT (the profile's method,
-                                                TIES by default): the "nine specialists merged" baseline
-    eval                   eval/                `openk3 eval` of sft, student, merged and every teacher on every
-                                                cell of the chosen domains; DIR/report.json is its report.json
+    merge                  merged/              `merge.merge_checkpoints` (`openk3 merge`) of the teachers onto SFT
+                                                (the profile's method, TIES by default): the "nine specialists
+                                                merged" baseline
+    eval                   eval/                `report.evaluate_models` (`openk3 eval`) of sft, student, merged and
+                                                every teacher on every cell of the chosen domains; DIR/report.json
+                                                is its report.json
 
 DIR/report.json follows the issue's contract ({"models": {"sft", "student", "merged", "teachers": {"D/E": M}},
 "checkpoints": {same keys -> checkpoint folders}}) for the cells of the chosen domains. DIR/pipeline.json
@@ -31,7 +33,6 @@ stage SFT, RL and MOPD resume from their own last checkpoint and eval from its f
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -188,7 +189,7 @@ def teacher_dir(out: Path, cell: str) -> Path:
 def contract_problems(report: dict, domains: tuple[str, ...]) -> list[str]:
     """`evaluate.report_problems` restricted to the cells of `domains` (a general-only run cannot have the
     agent and coding cells; everything about the cells it ran must hold)."""
-    from openk3.posttrain.evaluate import report_problems
+    from openk3.posttrain.report import report_problems
 
     skipped = [c for c in cells(DOMAINS) if c.split("/")[0] not in domains]
     return [p for p in report_problems(report) if not any(c in p for c in skipped)]
@@ -445,55 +446,34 @@ class Pipeline:
         return {"config": cfg.to_dict(), "last": {k: last.get(k) for k in ("reverse_kl", "clipped_frac", "think_mean")}}
 
     def merge(self) -> dict:
-        from openk3.commands import merge as command
+        from openk3.posttrain.merge import merge_checkpoints
 
         p = self.profile
-        argv = ["--base", str(self.out / "sft"), "--models", *self.teachers().values(), "--method", p.merge_method,
+        teachers = list(self.teachers().values())
+        merge_checkpoints(self.out / "sft", teachers, self.out / "merged", p.merge_method, density=p.merge_density,
+                          say=lambda msg: print(f"[merge] {msg}", flush=True))
+        argv = ["--base", str(self.out / "sft"), "--models", *teachers, "--method", p.merge_method,
                 "--out", str(self.out / "merged")]
         if p.merge_density is not None:
             argv += ["--density", str(p.merge_density)]
-        _command(command, argv)
-        return {"argv": ["openk3", "merge", *argv]}
+        return {"argv": ["openk3", "merge", *argv]}  # the same merge as a command, for the record
 
     def eval(self) -> dict:
-        from openk3.commands import eval as command
+        from openk3.posttrain.report import evaluate_models
 
         p = self.profile
-        models = [f"sft={self.out / 'sft'}", f"student={self.out / 'student'}", f"merged={self.out / 'merged'}",
-                  *(f"{c}={path}" for c, path in self.teachers().items())]
-        argv = ["--models", *models, "--out", str(self.out / "eval"), "--cells", ",".join(self.domains),
-                "--n", str(p.eval_n), "--samples", str(p.eval_samples), "--temperature", str(p.eval_temperature),
-                "--seed", str(self.seed), "--levels", ",".join(map(str, p.levels)) if p.levels else "all",
-                "--response-cap", str(p.response_cap), "--max-turns", str(p.eval_max_turns), "--max-num-seqs", "64",
-                "--teacher-metrics", *(f"{c}={path}/metrics.jsonl" for c, path in self.teachers().items()),
-                "--mopd-metrics", str(self.out / "student" / "metrics.jsonl")]
-        if p.eval_think_cap is not None:
-            argv += ["--think-cap", str(p.eval_think_cap)]
-        if self.context(self.domains) is not None:
-            argv += ["--max-model-len", str(self.context(self.domains))]
-        if self.threads is not None:
-            argv += ["--threads", str(self.threads)]
-        _command(command, argv)
-        report = read_json(self.out / "eval" / REPORT_FILE)
+        models = {"sft": self.out / "sft", "student": self.out / "student", "merged": self.out / "merged",
+                  **self.teachers()}
+        teacher_metrics = {c: f"{path}/metrics.jsonl" for c, path in self.teachers().items()}
+        options = dict(cells=",".join(self.domains), n_per_cell=p.eval_n, samples=p.eval_samples,
+                       temperature=p.eval_temperature, seed=self.seed, levels=p.levels or None,
+                       response_cap=p.response_cap, max_turns=p.eval_max_turns, max_num_seqs=64,
+                       think_cap=p.eval_think_cap, max_model_len=self.context(self.domains))
+        report = evaluate_models(models, self.out / "eval", teacher_metrics=teacher_metrics,
+                                 mopd_metrics=str(self.out / "student" / "metrics.jsonl"),
+                                 say=lambda msg: print(f"[eval] {msg}", flush=True), **options)
         write_atomic(self.out / REPORT_FILE, (json.dumps(report, indent=1) + "\n").encode())
         problems = contract_problems(report, self.domains)
         if problems:  # the stages all ran, so this is a bug, not a partial run
             raise RuntimeError(f"{self.out / REPORT_FILE} breaks the issue-18 contract: {'; '.join(problems[:5])}")
-        return {"argv": ["openk3", "eval", *argv]}
-
-
-def _command(module, argv: list[str]) -> None:
-    """Run an `openk3` command module with these arguments, as `openk3 <command> ARGV` would."""
-    parser = argparse.ArgumentParser(prog=f"openk3 {module.__name__.rsplit('.', 1)[-1]}")
-    module.add_arguments(parser)
-    code = module.main(parser.parse_args(argv))
-    if code:
-        raise RuntimeError(f"openk3 {module.__name__.rsplit('.', 1)[-1]} exited with {code}")
-
-
-def run_pipeline(out: str | os.PathLike, *, preset: str, profile: str | Profile = "smoke",
-                 domains: tuple[str, ...] = DOMAINS, base: str | None = None, seed: int = 0,
-                 threads: int | None = None, stop_after: str | None = None) -> dict | None:
-    """Run (or continue) the pipeline in `out`; returns DIR/report.json (None when stopped early)."""
-    return Pipeline(out, preset=preset, profile=profile, domains=domains, base=base, seed=seed,
-                    threads=threads).run(stop_after=stop_after)
+        return {"options": options}

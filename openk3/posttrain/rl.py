@@ -39,22 +39,12 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.fsutil import read_json
 from openk3.posttrain import losses
 from openk3.posttrain.budget import B_FLOOR, BudgetConfig
 from openk3.posttrain.records import DOMAINS, SPLITS
 from openk3.posttrain.rl_problems import ProblemSource
 from openk3.posttrain.rollout import RESPONSE_CAP, RolloutConfig, rollout
-from openk3.posttrain.run import (
-    check_micro_tokens,
-    check_router_biases,
-    open_run,
-    optimizer_for,
-    router_biases,
-    save_step,
-    say,
-    write_rollouts,
-)
+from openk3.posttrain.run import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
 
 LOSSES = ("kimi", "grpo")
 CONFIG_FILE = "rl_config.json"
@@ -302,40 +292,22 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
 # ---- the run -----------------------------------------------------------------------------------------
 
 
-def _say(msg: str) -> None:
-    say("rl", msg)
-
-
-def _check_resume(out: Path, cfg: RLConfig) -> RLConfig:
-    """`cfg` for resuming the run in `out` (its starting model as saved), or ValueError naming the settings
-    that changed (any but RESUMABLE_CHANGES: the finished steps were computed with the saved ones)."""
-    saved = RLConfig.from_dict(read_json(out / CONFIG_FILE), str(out / CONFIG_FILE))
-    changed = [f"{k}: {getattr(saved, k)!r} -> {v!r}" for k, v in cfg.to_dict().items()
-               if getattr(saved, k) != v and k not in RESUMABLE_CHANGES]
-    if changed:
-        raise ValueError(f"{out}: resuming a run with changed settings ({'; '.join(changed)}); use a new --out "
-                         f"or the saved settings ({out / CONFIG_FILE})")
-    return dataclasses.replace(cfg, model=saved.model)
-
-
 def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dict], None] | None = None,
-       sandbox_options: dict | None = None) -> dict:
+       sandbox_options: dict | None = None, progress: bool = True) -> dict:
     """Run (or resume) RL for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics.
 
     on_step(step, metrics) is called after each step's metrics are logged (before its checkpoint).
     """
     from openk3.infer.engine import Engine
-    from openk3.train.metrics import MetricsLog, truncate_after
+    from openk3.log import reporter
 
     out = Path(out_dir)
+    report = reporter("rl")
     run = open_run(out, cfg, config_file=CONFIG_FILE, start_field="model", missing="no starting model: give --model",
-                   tag="rl", check_resume=_check_resume)
-    cfg, model, tok, start = run.cfg, run.model, run.tok, run.start
+                   resumable=RESUMABLE_CHANGES, report=report)
+    cfg, model, tok = run.cfg, run.model, run.tok
     torch.manual_seed(cfg.seed)
     opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
-    metrics_path = out / "metrics.jsonl"
-    truncate_after(str(metrics_path), start)
-    (out / "rollouts").mkdir(exist_ok=True)
     budget = BudgetConfig(b_floor=cfg.b_floor, cap=cfg.budget_cap, anneal_fraction=cfg.anneal_fraction)
     source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
                            budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
@@ -343,23 +315,15 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
     engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
     roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)
-    bias_before = router_biases(model)
-    last: dict = {}
-    with MetricsLog(str(metrics_path)) as log:
-        for step in range(start, cfg.steps):
-            problems = source.draw(step, cfg.prompts_per_step, cfg.steps)
-            try:
-                records, last = rl_step(cfg, model, opt, engine, problems, tok,
-                                        RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg), step)
-            finally:
-                source.release(problems)
-            write_rollouts(out, step + 1, records)
-            log.log(last)
-            _say(f"step {step + 1}/{cfg.steps}: reward {last['reward']:.3f}, over budget "
-                 f"{last['over_budget_rate']:.2f}, think {last['think_mean']:.1f}, loss {last['loss']:.4g}")
-            if on_step is not None:
-                on_step(step + 1, last)
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save_step(out, step + 1, model, opt, cfg, run.tok_files)
-    check_router_biases(model, bias_before, "RL")
-    return last
+
+    def step_fn(problems: list, step: int) -> tuple[list[dict], dict]:
+        roll = RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg)
+        return rl_step(cfg, model, opt, engine, problems, tok, roll, step)
+
+    def line(m: dict) -> str:
+        return (f"reward {m['reward']:.3f}, over budget {m['over_budget_rate']:.2f}, think {m['think_mean']:.1f}, "
+                f"loss {m['loss']:.4g}")
+
+    job = OnPolicyJob("rl", out, run, opt, draw=lambda step: source.draw(step, cfg.prompts_per_step, cfg.steps),
+                      step_fn=step_fn, release=source.release, line=line)
+    return drive(job, cfg.steps, cfg.save_every, report, on_step, what="RL", progress=progress)

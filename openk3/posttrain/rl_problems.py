@@ -25,30 +25,13 @@ from openk3.chat import THINKING_EFFORTS, encode_segments, render
 from openk3.posttrain.budget import BudgetConfig, annealed_budget
 from openk3.posttrain.records import DOMAINS, SPLITS, render_request
 from openk3.posttrain.rollout import Problem
+from openk3.tokenizer.files import tokenizer_fingerprint
 
 DIFFICULTIES = (1, 2, 3)
 #: L(x) of agent / coding problems, (task id, tokenizer fingerprint) -> think tokens of the expert's max episode:
 #: one sandboxed episode per problem, the same for every model evaluated in a process (eval of 12 models
 #: would otherwise replay each problem's expert 12 times: ~0.3 s per problem)
 _REFERENCE: dict[tuple[str, str], int] = {}
-
-
-def tokenizer_fingerprint(tok) -> str:
-    """A short hash of the token table (ids of every byte string and special name); cached on the object."""
-    key = getattr(tok, "_openk3_fingerprint", None)
-    if key is None:
-        import hashlib
-
-        h = hashlib.sha256()
-        for table in (tok.ranks, tok.special_ids):
-            for piece, i in sorted(table.items(), key=lambda kv: kv[1]):
-                h.update(repr((piece, i)).encode())
-        key = h.hexdigest()[:16]
-        try:
-            tok._openk3_fingerprint = key
-        except AttributeError:  # a tokenizer that refuses attributes is hashed each time
-            pass
-    return key
 
 
 def _general_score(verifier: dict):

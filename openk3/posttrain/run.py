@@ -1,24 +1,32 @@
-"""The skeleton of an on-policy run folder, shared by `openk3 rl` (rl.py) and `openk3 distill` (mopd.py).
+"""The on-policy run, shared by `openk3 rl` (rl.py) and `openk3 distill` (mopd.py): a job of the run loop.
 
-Both start from a release-format checkpoint, or resume the newest intact checkpoint of their `--out`
-folder (refusing changed settings), train with the Muon + AdamW set, log one metrics line per step, keep
-each step's rollout records, save atomic checkpoints with the tokenizer beside the weights, and must leave
-the router's Quantile Balancing bias untouched. What differs (the step, the problems, the settings that may
-change on resume) stays in each.
+    run = open_run(out, cfg, config_file="rl_config.json", start_field="model", resumable=RESUMABLE_CHANGES,
+                   missing="no starting model: give --model", report=report)
+    opt = optimizer_for(run.model, cfg.lr, cfg.grad_clip, run.state)
+    job = OnPolicyJob("rl", out, run, opt, draw=..., step_fn=..., release=..., line=...)
+    drive(job, cfg.steps, cfg.save_every, report, on_step)
+
+Both start from a release-format checkpoint, or resume the newest intact checkpoint of their `--out` folder
+(refusing changed settings), train with the Muon + AdamW set, log one metrics line per step, keep each step's
+rollout records (`<out>/rollouts/step_N.jsonl`), save atomic checkpoints with the tokenizer beside the weights
+(`openk3.checkpoint.steps`), and must leave the router's Quantile Balancing bias untouched. The step loop,
+the metrics log, the progress bar and the checkpoint cadence are `openk3.train.loop`'s; what differs (the
+step, the problems, the settings that may change on resume) stays in rl.py and mopd.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from openk3.fsutil import write_atomic
+from openk3.fsutil import read_json, write_atomic
+from openk3.train.loop import Job
 
 BIAS_SUFFIX = "e_score_correction_bias"
 
@@ -40,83 +48,66 @@ def check_micro_tokens(value, where: str) -> None:
         raise ValueError(f"{where} micro_tokens must be an integer >= 2 or None, got {value!r}")
 
 
-def say(tag: str, msg: str) -> None:
-    print(f"[{tag}] {msg}", file=sys.stderr, flush=True)
+def check_resume(out: Path, cfg, *, config_file: str, start_field: str, resumable: Sequence[str],
+                 extra_changes: Callable[[Any, Any], list[str]] | None = None):
+    """`cfg` for resuming the run in `out`, its starting checkpoint as saved; or a ValueError naming the settings
+    that changed (any but `resumable`: the finished steps were computed with the saved ones, plus what
+    `extra_changes(saved, cfg)` reports)."""
+    path = out / config_file
+    saved = type(cfg).from_dict(read_json(path), str(path))
+    changed = [f"{k}: {getattr(saved, k)!r} -> {v!r}" for k, v in dataclasses.asdict(cfg).items()
+               if getattr(saved, k) != v and k not in resumable]
+    if extra_changes is not None:
+        changed += extra_changes(saved, cfg)
+    if changed:
+        raise ValueError(f"{out}: resuming a run with changed settings ({'; '.join(changed)}); use a new --out "
+                         f"or the saved settings ({path})")
+    return dataclasses.replace(cfg, **{start_field: getattr(saved, start_field)})
 
 
-def tokenizer_of(folder: Path):
-    """The checkpoint's own tokenizer and its files, or ValueError: prompts are rendered and answers parsed
-    with the model's tokenizer."""
-    from openk3.tokenizer import Tokenizer
-
-    if not (folder / "tiktoken.model").is_file():
-        raise ValueError(f"{folder}: the checkpoint has no tokenizer (tiktoken.model); on-policy training renders "
-                         "prompts and parses answers with the model's own tokenizer")
-    files = {name: str(folder / name) for name in ("tiktoken.model", "tokenizer_config.json")
-             if (folder / name).is_file()}
-    return Tokenizer.from_dir(str(folder)), files
-
-
-def open_run(out: Path, cfg, *, config_file: str, start_field: str, missing: str, tag: str,
-             check_resume: Callable[[Path, Any], Any]) -> RunStart:
-    """Resume `out` (its newest intact checkpoint; `check_resume` refuses changed settings) or start from the
-    checkpoint named by `cfg.<start_field>` (`missing`: the error's start when there is none); writes the
-    settings file."""
-    from openk3.checkpoint import load, runs, steps
+def open_run(out: Path, cfg, *, config_file: str, start_field: str, missing: str, resumable: Sequence[str],
+             report: logging.Logger, extra_changes: Callable[[Any, Any], list[str]] | None = None) -> RunStart:
+    """Resume `out` (its newest intact checkpoint; changed settings refused, `check_resume`) or start from the
+    checkpoint named by `cfg.<start_field>` (`missing`: the error's start when there is none); cuts
+    metrics.jsonl back to the checkpoint and writes the settings file."""
+    from openk3.checkpoint import load
     from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.tokenizer.files import checkpoint_tokenizer
+    from openk3.train.metrics import truncate_after
+    from openk3.train.state import open_run_folder
 
+    why = "on-policy training renders prompts and parses answers with the model's own tokenizer"
     out.mkdir(parents=True, exist_ok=True)
-    for name in runs.restore_resaves(out):
-        say(tag, f"restored {name} (a re-save of it was interrupted between its two renames)")
-    runs.clean_leftovers(out)
-    runs.refuse_lost_checkpoints(out)  # a run whose checkpoints are gone is not started over silently
-    resumed = steps.load_latest(out)
-    if resumed is not None:
-        cfg = check_resume(out, cfg)
-        folder, state, model, problems = resumed
-        for p in problems:
-            say(tag, f"warning: skipped a damaged checkpoint: {p}")
+    folder, state, model = open_run_folder(out, True, report.info, report.warning)
+    if folder is not None:
+        cfg = check_resume(out, cfg, config_file=config_file, start_field=start_field, resumable=resumable,
+                           extra_changes=extra_changes)
         start = int(state["step"])
-        tok, tok_files = tokenizer_of(folder)
-        say(tag, f"resuming {out} at step {start} from {folder.name}")
+        tok, tok_files = checkpoint_tokenizer(folder, why)
+        report.info(f"resuming {out} at step {start} from {folder.name}")
     else:
         if not getattr(cfg, start_field):
             raise ValueError(f"{missing} (a checkpoint folder or a run folder)")
         folder = resolve_checkpoint(getattr(cfg, start_field)).resolve()
         cfg = dataclasses.replace(cfg, **{start_field: str(folder)})
-        tok, tok_files = tokenizer_of(folder)
+        tok, tok_files = checkpoint_tokenizer(folder, why)
         model = load(folder, dtype=torch.float32)
         start, state = 0, None
+    truncate_after(str(out / "metrics.jsonl"), start)
     write_atomic(out / config_file, (json.dumps(cfg.to_dict(), indent=1) + "\n").encode())
     return RunStart(cfg, folder, model, tok, tok_files, start, state)
 
 
 def optimizer_for(model: torch.nn.Module, lr: float, grad_clip: float, state: dict | None):
     """The Muon + AdamW set (no weight decay, no QK-Clip), its state and the RNG restored when resuming."""
-    from openk3.train import state as train_state
     from openk3.train.optim import OptimConfig, build_optimizer
+    from openk3.train.state import set_rng_state
 
     opt = build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.0, grad_clip=grad_clip, qk_clip_tau=None))
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-        train_state.set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
     return opt
-
-
-def save_step(out: Path, step: int, model, opt, cfg, tok_files: dict[str, str]) -> None:
-    from openk3.checkpoint.steps import save_checkpoint
-    from openk3.train.state import rng_state
-
-    save_checkpoint(out, step, model, {"step": step, "optimizer": opt.state_dict(), "config": cfg.to_dict(),
-                                       "rng": rng_state()}, extra_files=tok_files)
-
-
-def write_rollouts(out: Path, step: int, records: list[dict]) -> None:
-    """`out/rollouts/step_N.jsonl`: the step's rollout records, written atomically."""
-    from openk3.checkpoint import runs
-
-    write_atomic(out / "rollouts" / f"{runs.step_dir_name(step)}.jsonl",
-                 "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
 
 
 def router_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -126,3 +117,67 @@ def router_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def check_router_biases(model: torch.nn.Module, before: dict[str, torch.Tensor], what: str) -> None:
     for name, b in before.items():
         assert torch.equal(b, model.get_buffer(name)), f"{name} moved during {what} (it must stay frozen)"
+
+
+class OnPolicyJob(Job):
+    """An on-policy run as a job of the run loop: each step draws its problems (`draw(step)`, 0-based), runs
+    `step_fn(problems, step) -> (rollout records, metrics)` (sample, score, one optimizer step), releases the
+    problems' sandboxes whatever happens, and keeps the records in `<out>/rollouts/step_N.jsonl`; a checkpoint
+    holds the weights, the optimizer, the step, the settings and the RNG."""
+
+    def __init__(self, tag: str, out: Path, run: RunStart, opt, *, draw: Callable[[int], list],
+                 step_fn: Callable[[list, int], tuple[list[dict], dict]], release: Callable[[list], None],
+                 line: Callable[[dict], str]) -> None:
+        self.tag, self.out, self.run, self.opt = tag, out, run, opt
+        self.draw, self.step_fn, self.release, self.line = draw, step_fn, release, line
+        self.done = run.start
+        self.last: dict = {}  # the last step's metrics
+        (out / "rollouts").mkdir(exist_ok=True)
+
+    @property
+    def step(self) -> int:
+        return self.done
+
+    def next_step(self) -> dict:
+        from openk3.checkpoint.runs import step_dir_name
+
+        problems = self.draw(self.done)
+        try:
+            records, self.last = self.step_fn(problems, self.done)
+        finally:
+            self.release(problems)
+        self.done += 1
+        write_atomic(self.out / "rollouts" / f"{step_dir_name(self.done)}.jsonl",
+                     "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in records).encode())
+        return self.last
+
+    def step_line(self, rec: dict, max_steps: int) -> str:
+        return f"step {rec['step']}/{max_steps}: {self.line(rec)}"
+
+    def save(self) -> Path:
+        from openk3.checkpoint.steps import save_checkpoint
+        from openk3.train.state import rng_state
+
+        state = {"step": self.done, "optimizer": self.opt.state_dict(), "config": self.run.cfg.to_dict(),
+                 "rng": rng_state()}
+        return save_checkpoint(self.out, self.done, self.run.model, state, extra_files=self.run.tok_files)
+
+
+def drive(job: OnPolicyJob, steps: int, save_every: int, report: logging.Logger,
+          on_step: Callable[[int, dict], None] | None, *, what: str, progress: bool = True) -> dict:
+    """Run `job` to `steps` in the run loop (a console line and a metrics line per step, a checkpoint every
+    `save_every` steps and at the end); `on_step(step, metrics)` after each step's metrics are logged, before
+    its checkpoint. The router's selection bias must not have moved (`what`: the run's name in that error).
+    Returns the last step's metrics."""
+    from openk3.train.loop import Cadence, run_loop
+    from openk3.train.metrics import MetricsLog
+
+    def on_event(kind: str, info: dict) -> None:
+        if kind == "step" and on_step is not None:
+            on_step(info["step"], info)
+
+    bias_before = router_biases(job.run.model)
+    run_loop(job, Cadence(steps, save_every=save_every), MetricsLog(str(job.out / "metrics.jsonl")), report=report,
+             progress=progress, on_event=on_event, last_saved=job.run.start if job.run.start else None)
+    check_router_biases(job.run.model, bias_before, what)
+    return job.last

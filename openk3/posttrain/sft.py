@@ -32,9 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
-import math
 import os
-import sys
 import time
 import typing
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from typing import Any
 
 import torch
 
+from openk3.checkpoint.steps import save_checkpoint
 from openk3.fsutil import read_json, write_atomic
 from openk3.posttrain.sft_data import (
     LEGACY_PACKING,
@@ -53,6 +52,10 @@ from openk3.posttrain.sft_data import (
     eval_batches,
     load_conversations,
 )
+from openk3.tokenizer.files import checkpoint_tokenizer
+from openk3.train.config import LoopConfig
+from openk3.train.loop import Job
+from openk3.train.metrics import losses_by_step, plot_losses
 from openk3.train.optim import OptimConfig
 
 # Fields a resumed run may change without `allow_config_change` (they do not change what the remaining
@@ -61,69 +64,42 @@ SFT_RESUME_FREE = frozenset({
     "max_steps", "epochs", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "threads",
     "device", "peak_flops", "grad_accum",
 })
-DTYPES = ("fp32", "bf16")
-SCHEDULES = ("cosine", "wsd", "constant")
 
 
 @dataclass(frozen=True, kw_only=True)
-class SFTConfig:
+class SFTConfig(LoopConfig):
+    """The loop's section (`openk3.train.config.LoopConfig`: optimizer, batch, schedule, cadence, ...) with
+    SFT's defaults, plus the base model and the data."""
+
     base: str = ""  # checkpoint folder or training run folder (its latest checkpoint)
     data: tuple[str, ...] = ()  # JSONL files (openk3.posttrain.sft_data)
     val_data: tuple[str, ...] = ()  # JSONL files scored at each eval; empty: no evaluation
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
-    batch_size: int = 8
-    grad_accum: int = 1  # micro-batches per step (batch_size / grad_accum rows at a time: memory, same steps)
-    seq_len: int = 1024
     epochs: int = 2  # background §3.4: 2 epochs; used when max_steps is None
-    max_steps: int | None = None
     overflow: str = "drop"  # conversations longer than seq_len: "drop" (counted) or "truncate"
     packing: str = "best_fit"  # conversations into rows: "best_fit" or "next_fit" (openk3.posttrain.sft_data.pack)
     splits: tuple[str, ...] = ("train",)  # record splits read from the data (val_data: all splits)
+    # the loop's defaults for fine-tuning
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
+    seq_len: int = 1024
+    max_steps: int | None = None
     eval_every: int = 0  # 0: only at the end (when val_data is given)
     eval_batches: int | None = None  # None: all of val_data
-    save_every: int = 500  # 0: only at the end
-    keep_checkpoints: int | None = None
-    log_every: int = 10
-    seed: int = 0
-    dtype: str = "fp32"
-    device: str = "cpu"
-    schedule: str = "cosine"
     warmup: float = 0.03  # < 1: fraction of the steps; >= 1: steps
-    min_lr_ratio: float = 0.1
-    decay_frac: float = 0.2
-    qb_rate: float = 1.0  # Quantile Balancing keeps running during SFT (0 freezes the expert biases)
-    qk_clip: bool = False
-    threads: int | None = None
-    peak_flops: float | None = None
 
-    def __post_init__(self) -> None:
-        for name in ("batch_size", "log_every", "epochs", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.batch_size % self.grad_accum:
-            raise ValueError(f"batch_size {self.batch_size} must divide into grad_accum={self.grad_accum} "
-                             "micro-batches")
+    def validate(self) -> None:
+        super().validate()
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if self.seq_len < 2:
             raise ValueError(f"seq_len must be >= 2, got {self.seq_len}")
-        for name in ("eval_every", "save_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_batches", "keep_checkpoints", "threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {self.max_steps}")
         if self.overflow not in OVERFLOW:
             raise ValueError(f"overflow must be one of {OVERFLOW}, got {self.overflow!r}")
         if self.packing not in PACKING:
             raise ValueError(f"packing must be one of {PACKING}, got {self.packing!r}")
         if not self.splits or any(s not in SPLITS for s in self.splits):
             raise ValueError(f"splits must be a non-empty subset of {SPLITS}, got {self.splits!r}")
-        if self.warmup < 0 or not 0 <= self.min_lr_ratio <= 1 or self.qb_rate < 0:
-            raise ValueError(f"need warmup >= 0, 0 <= min_lr_ratio <= 1, qb_rate >= 0; got {self.warmup}, "
-                             f"{self.min_lr_ratio}, {self.qb_rate}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -193,14 +169,6 @@ def apply_overrides(cfg: SFTConfig, overrides: list[str] | tuple[str, ...]) -> S
     return dataclasses.replace(cfg, **top)
 
 
-def _say(msg: str) -> None:
-    print(f"[sft] {msg}", flush=True)
-
-
-def _warn(msg: str) -> None:
-    print(f"[sft] warning: {msg}", file=sys.stderr, flush=True)
-
-
 def resolve_paths(cfg: SFTConfig) -> tuple[SFTConfig, Path]:
     """`cfg` with `base` the absolute checkpoint folder it names and data paths absolute; and that folder."""
     from openk3.checkpoint.load import resolve_checkpoint
@@ -212,30 +180,6 @@ def resolve_paths(cfg: SFTConfig) -> tuple[SFTConfig, Path]:
     folder = resolve_checkpoint(cfg.base).resolve()
     absolute = lambda paths: tuple(str(Path(p).resolve()) for p in paths)  # noqa: E731
     return dataclasses.replace(cfg, base=str(folder), data=absolute(cfg.data), val_data=absolute(cfg.val_data)), folder
-
-
-def base_tokenizer(folder: Path):
-    """The tokenizer saved with the base checkpoint, and its files (copied into every SFT checkpoint)."""
-    from openk3.tokenizer import Tokenizer
-
-    if not (folder / "tiktoken.model").is_file():
-        raise ValueError(f"{folder}: the base checkpoint has no tokenizer (tiktoken.model); SFT encodes the data "
-                         "with the base's own tokenizer")
-    files = {name: str(folder / name) for name in ("tiktoken.model", "tokenizer_config.json")
-             if (folder / name).is_file()}
-    return Tokenizer.from_dir(str(folder)), files
-
-
-def loop_config(cfg: SFTConfig, model_cfg, max_steps: int):
-    """The `TrainConfig` the pretraining `Trainer` reads its step options from (the SFT run's values)."""
-    from openk3.train.config import TrainConfig
-
-    return TrainConfig(model=model_cfg, optim=cfg.optim, preset=None, batch_size=cfg.batch_size,
-                       grad_accum=cfg.grad_accum, seq_len=cfg.seq_len, max_steps=max_steps, seed=cfg.seed,
-                       dtype=cfg.dtype, device=cfg.device,
-                       schedule=cfg.schedule, warmup=cfg.warmup, min_lr_ratio=cfg.min_lr_ratio,
-                       decay_frac=cfg.decay_frac, qb_rate=cfg.qb_rate, aux_loss_coef=0.0, qk_clip=cfg.qk_clip,
-                       peak_flops=cfg.peak_flops, threads=cfg.threads, samples=0)
 
 
 @torch.no_grad()
@@ -261,6 +205,66 @@ def evaluate(model, convs, cfg: SFTConfig, pad_id: int, device: torch.device) ->
     return {"loss": nats / max(1, tokens), "tokens": tokens}
 
 
+class SFTJob(Job):
+    """SFT as a job of the run loop (`train.loop`): the pretraining `Trainer`'s step over `SFTLoader` batches,
+    mean CE per trained token of the validation conversations, checkpoints with the base's tokenizer."""
+
+    tag = "sft"
+
+    def __init__(self, trainer, loader, val: list, cfg: SFTConfig, out: Path, pad_id: int, device,
+                 tok_files: dict[str, str]) -> None:
+        self.trainer, self.loader, self.val, self.cfg, self.out = trainer, loader, val, cfg, out
+        self.pad_id, self.device, self.tok_files = pad_id, device, tok_files
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.val)
+
+    def next_step(self) -> dict:
+        rec = self.trainer.train_step(self.loader.next())
+        rec["epoch"] = self.loader.epoch
+        return rec
+
+    def step_line(self, rec: dict, max_steps: int) -> str:
+        return (f"step {rec['step']}/{max_steps} epoch {rec['epoch']} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s")
+
+    def postfix(self, rec: dict) -> dict[str, str]:
+        return {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
+
+    def evaluate(self) -> dict:
+        trainer = self.trainer
+        t0 = time.perf_counter()
+        r = evaluate(trainer.model, self.val, self.cfg, self.pad_id, self.device)
+        trainer.recorder.clear()  # eval forwards are not routing statistics of a training step
+        if trainer.qk_recorder is not None:
+            trainer.qk_recorder.clear()
+        trainer.elapsed += time.perf_counter() - t0
+        trainer.history.append({"kind": "eval", "step": trainer.step, "val_loss": r["loss"]})
+        return {"kind": "eval", "step": trainer.step, "val_loss": r["loss"], "val_tokens": r["tokens"],
+                "elapsed": trainer.elapsed}
+
+    def eval_line(self, rec: dict) -> str:
+        return f"eval step {rec['step']}: val loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} trained tokens"
+
+    def plot(self) -> None:
+        history = self.trainer.history
+        plot_losses(losses_by_step(history), losses_by_step(history, "eval", "val_loss"), str(self.out / "loss.png"))
+
+    def save(self) -> Path:
+        state = self.trainer.state_dict()
+        state["config"] = self.cfg.to_dict()
+        return save_checkpoint(self.out, self.trainer.step, self.trainer.model, state, extra_files=self.tok_files,
+                               keep=self.cfg.keep_checkpoints)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
 def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
         allow_config_change: bool = False, on_event=None) -> dict:
     """Fine-tune (or resume fine-tuning) into `out_dir`; returns a summary dict (module docstring).
@@ -270,46 +274,47 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     """
     from openk3.checkpoint import load
     from openk3.checkpoint.runs import find_latest
-    from openk3.checkpoint.steps import save_checkpoint
     from openk3.common import resolve_device, seed_everything, setup_cpu
-    from openk3.train.config import resume_changes
-    from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, plot_losses
-    from openk3.train.state import open_run_folder, record_config, restart_changes, resume_trainer
-    from openk3.train.trainer import build_trainer, with_tokenizer_ids
+    from openk3.log import reporter
+    from openk3.train.loop import Cadence, run_loop
+    from openk3.train.metrics import MetricsLog
+    from openk3.train.run_tokenizer import with_tokenizer_ids
+    from openk3.train.state import (
+        open_run_folder,
+        record_config,
+        recover_final_eval,
+        restart_changes,
+        resume_trainer,
+        settings_changes,
+    )
+    from openk3.train.trainer import build_trainer
 
+    report = reporter("sft")
+    say = report.info
     device = resolve_device(cfg.device)
     cfg, base = resolve_paths(cfg)
-    tok, tok_files = base_tokenizer(base)
+    tok, tok_files = checkpoint_tokenizer(base, "SFT encodes the data with the base's own tokenizer")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     threads = setup_cpu(cfg.threads)
 
-    ckpt, saved, saved_weights = open_run_folder(out, resume, _say, _warn)
-    changes: list[str] = []
+    ckpt, saved, saved_weights = open_run_folder(out, resume, say, report.warning)
     if saved is not None:
         saved["config"].setdefault("packing", LEGACY_PACKING)  # saved before the option existed
-        free, refused = resume_changes(saved["config"], cfg.to_dict(), SFT_RESUME_FREE)
-        if refused and not allow_config_change:
-            raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
-                             f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nto resume the "
-                             "run as it was, drop those options (or give the checkpoint's values); to continue with "
-                             "the new ones, pass --allow-config-change; the old config is then kept in "
-                             "sft_config_history.jsonl")
-        changes = refused + free
-        if changes:
-            _say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+        changes = settings_changes(out, ckpt, saved["config"], cfg, allow=allow_config_change, say=say,
+                                   free_keys=SFT_RESUME_FREE, name="sft_config")
     else:
         changes = restart_changes(out, cfg, "sft_config", SFT_RESUME_FREE)
 
     convs, stats = load_conversations(cfg.data, tok, seq_len=cfg.seq_len, overflow=cfg.overflow, splits=cfg.splits)
-    _say(f"data {', '.join(cfg.data)}: {stats.describe()}")
+    say(f"data {', '.join(cfg.data)}: {stats.describe()}")
     if not convs:
         raise ValueError(f"{', '.join(cfg.data)}: no conversation to train on ({stats.describe()})")
     val = []
     if cfg.val_data:
         val, vstats = load_conversations(cfg.val_data, tok, seq_len=cfg.seq_len, overflow=cfg.overflow,
                                          splits=SPLITS)
-        _say(f"validation {', '.join(cfg.val_data)}: {vstats.describe()}")
+        say(f"validation {', '.join(cfg.val_data)}: {vstats.describe()}")
     pad_id = tok.pad_id if tok.pad_id is not None else 0
     loader = SFTLoader(convs, cfg.batch_size, cfg.seq_len, seed=cfg.seed, pad_id=pad_id, packing=cfg.packing)
     if saved is not None:
@@ -325,100 +330,31 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     model.config = with_tokenizer_ids(model.config, tok).replace(vocab_size=model.config.vocab_size)
     model.loaded_format = None  # save float experts (fp32): what resumes exactly (module docstring)
     model.train()
-    tcfg = loop_config(cfg, model.config, max_steps)
-    trainer = build_trainer(model, loader, tcfg, device=device, threads=threads)  # one process: no sharding
-    _say(f"base {base}: {sum(p.numel() for p in model.parameters()):,} parameters, {threads} thread(s), "
-         f"{cfg.dtype}; {max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens"
-         + ("" if cfg.max_steps is not None else f" ({cfg.epochs} epochs)"))
+    # the LR schedule runs over the resolved length (the config keeps max_steps None: epochs decide)
+    trainer = build_trainer(model, loader, dataclasses.replace(cfg, max_steps=max_steps), device=device,
+                            threads=threads)  # one process: no sharding
+    say(f"base {base}: {sum(p.numel() for p in model.parameters()):,} parameters, {threads} thread(s), "
+        f"{cfg.dtype}; {max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens"
+        + ("" if cfg.max_steps is not None else f" ({cfg.epochs} epochs)"))
 
     metrics_path = out / "metrics.jsonl"
-    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, _say)
+    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say)
     saved_weights = None
-
-    def emit(kind: str, info: dict) -> None:
-        if on_event is not None:
-            on_event(kind, info)
-
     log = MetricsLog(str(metrics_path))
     if resumed_from is not None:
         log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
-
-    def plot() -> None:
-        plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
-                    str(out / "loss.png"))
-
-    def save() -> Path:
-        state = trainer.state_dict()
-        state["config"] = cfg.to_dict()
-        path = save_checkpoint(out, trainer.step, model, state, extra_files=tok_files, keep=cfg.keep_checkpoints)
-        plot()
-        emit("checkpoint", {"step": trainer.step, "path": str(path)})
-        return path
-
-    def run_eval() -> dict:
-        t0 = time.perf_counter()
-        r = evaluate(model, val, cfg, pad_id, device)
-        trainer.recorder.clear()  # eval forwards are not routing statistics of a training step
-        if trainer.qk_recorder is not None:
-            trainer.qk_recorder.clear()
-        trainer.elapsed += time.perf_counter() - t0
-        rec = {"kind": "eval", "step": trainer.step, "val_loss": r["loss"], "val_tokens": r["tokens"],
-               "elapsed": trainer.elapsed}
-        trainer.history.append({"kind": "eval", "step": trainer.step, "val_loss": r["loss"]})
-        log.log(rec)
-        bar.write(f"[sft] eval step {trainer.step}: val loss {r['loss']:.4f} over {r['tokens']:,} trained tokens")
-        plot()
-        emit("eval", rec)
-        return rec
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=max_steps, initial=min(trainer.step, max_steps), file=sys.stderr, disable=not progress,
-               unit="step", dynamic_ncols=True, desc="sft")
-    last_saved = trainer.step if ckpt is not None else None
-    last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
-    if val and resumed_from is not None and last_eval != trainer.step:
-        # a run an older version finished saved before its final eval: that eval is in metrics.jsonl
-        if (rec := logged_eval(str(metrics_path), trainer.step)) is not None:
-            trainer.history.append({k: rec[k] for k in ("kind", "step", "val_loss")})
-            last_eval = trainer.step
-    try:
-        while trainer.step < max_steps:
-            rec = trainer.train_step(loader.next())
-            rec["epoch"] = loader.epoch
-            log.log(rec)
-            step = trainer.step
-            bar.set_postfix({"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}, refresh=False)
-            bar.update(1)
-            if step % cfg.log_every == 0 or step == 1 or step == max_steps:
-                bar.write(f"[sft] step {step}/{max_steps} epoch {loader.epoch} loss {rec['loss']:.4f} "
-                          f"lr {rec['lr']:.2e} gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s")
-            emit("step", rec)
-            if not math.isfinite(rec["loss"]):
-                raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-            # the last step evaluates before it saves, so a finished run's checkpoint holds its final eval
-            if val and (cfg.eval_every and step % cfg.eval_every == 0 or step == max_steps):
-                run_eval()
-                last_eval = step
-            if cfg.save_every and step % cfg.save_every == 0:
-                save()
-                last_saved = step
-        if val and last_eval != trainer.step:
-            run_eval()
-        if last_saved != trainer.step:
-            save()
-        else:
-            plot()
-    finally:
-        bar.close()
-        log.close()
-        trainer.close()
+    last_eval = recover_final_eval(trainer.history, trainer.step, ("val_loss",),
+                                   metrics_path if val and resumed_from is not None else None)
+    job = SFTJob(trainer, loader, val, cfg, out, pad_id, device, tok_files)
+    run_loop(job, Cadence(max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), log, report=report,
+             progress=progress, on_event=on_event, last_saved=trainer.step if ckpt is not None else None,
+             last_eval=last_eval)
 
     evals = [h for h in trainer.history if h["kind"] == "eval"]
     summary = {"out_dir": str(out), "steps": trainer.step, "tokens": trainer.tokens, "elapsed": trainer.elapsed,
                "resumed_from": resumed_from, "final_loss": losses_by_step(trainer.history).get(trainer.step),
                "val_loss": evals[-1]["val_loss"] if evals else None, "checkpoint": str(find_latest(out)),
                "conversations": stats.kept, "dropped_too_long": stats.too_long, "truncated": stats.truncated}
-    _say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; checkpoint "
-         f"{summary['checkpoint']}")
+    say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; checkpoint "
+        f"{summary['checkpoint']}")
     return summary

@@ -6,8 +6,9 @@
 
 Sections: `model` (a `K3Config`, usually a preset), `optim` (`OptimConfig`), `data` (`DataConfig`),
 `parallel` (`openk3.parallel.mesh.ParallelConfig`: degrees, e.g. `parallel.dp_shard=2` under torchrun);
-the loop's own fields sit at the top level. Overrides are `key=value` strings with dotted keys
-(`model.linear_attn_config.full_attn_layers=[4]`), converted to the declared type of the field:
+the loop's own fields (`LoopConfig`, which SFT's config shares) sit at the top level. Overrides are
+`key=value` strings with dotted keys (`model.linear_attn_config.full_attn_layers=[4]`), converted to the
+declared type of the field:
 int, float, bool (true/false/1/0/yes/no/on/off), str, None (`none`/`null` where the field allows it),
 tuples and lists (`[0.9,0.95]`, `(a,b)` or `a,b`). An unknown key raises a ValueError that lists
 the closest known keys; a value that does not fit raises one naming the key and the value.
@@ -54,17 +55,16 @@ RESUME_FREE = frozenset({
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    model: K3Config = field(default_factory=lambda: preset("nano"))
+class LoopConfig:
+    """The loop's section, shared by pretraining (`TrainConfig`) and SFT (`posttrain.sft.SFTConfig`), which
+    inherit it (the fields sit at their top level, so their config files and `key=value` overrides stay flat):
+    how one step is taken (batch, precision, optimizer, schedule, balancing) and the run's cadence."""
+
     optim: OptimConfig = field(default_factory=OptimConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # degrees; torchrun gives the processes
-    preset: str | None = "nano"  # name the model section came from (informational)
-    # loop
     batch_size: int = 8  # the global batch (rows per optimizer step, all ranks and micro-batches together)
     grad_accum: int = 1  # micro-batches per step on each rank: activations of batch_size / (dp * grad_accum) rows
     seq_len: int = 256
-    max_steps: int = 1000
+    max_steps: int | None = 1000  # (SFT: None = `epochs` passes over the data)
     eval_every: int = 100  # 0: only at the end
     eval_batches: int | None = 20  # None: the whole validation split
     save_every: int = 500  # 0: only at the end
@@ -73,24 +73,16 @@ class TrainConfig:
     seed: int = 0
     dtype: str = "fp32"  # "fp32" | "bf16" (autocast; params, optimizer state, fp32 islands stay fp32); bfloat16 ok
     device: str = "cpu"
-    activation_checkpointing: bool = False
     # schedule
     schedule: str = "cosine"
     warmup: float = 0.01  # < 1: fraction of max_steps; >= 1: steps
     min_lr_ratio: float = 0.1
     decay_frac: float = 0.2  # WSD only
     # balancing and stability
-    qb_rate: float = 1.0  # Quantile Balancing rate; 0 disables QB
-    aux_loss_coef: float = 0.0  # > 0: add the sequence-wise auxiliary balance loss (for comparison)
+    qb_rate: float = 1.0  # Quantile Balancing rate; 0 disables QB (SFT: freezes the expert biases)
     qk_clip: bool = False  # MuonClip with optim.qk_clip_tau
-    # tokenizer and data plumbing
-    tokenizer: str | None = None  # a tokenizer folder; None: train one (model.vocab_size) into <out>/tokenizer
-    cache_dir: str | None = None  # tokenised-data cache; None: <out>/../.cache
     threads: int | None = None  # None: $OPENK3_THREADS / $OMP_NUM_THREADS, else measured (train/threads.py)
     peak_flops: float | None = None  # FLOP/s for MFU; None: the CPU table x threads (no figure on CUDA)
-    # end-of-run samples
-    samples: int = 2
-    sample_tokens: int = 32
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,20 +99,20 @@ class TrainConfig:
                 canonical = None
             if canonical is not None:
                 object.__setattr__(self, "dtype", canonical)
-        positive = ("batch_size", "grad_accum", "seq_len", "log_every", "sample_tokens")
-        for name in positive:
+        for name in ("batch_size", "grad_accum", "seq_len", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "eval_every", "save_every", "samples"):
+        for name in ("eval_every", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
         if self.batch_size % self.grad_accum:
             raise ValueError(f"batch_size {self.batch_size} must divide into grad_accum={self.grad_accum} "
                              f"micro-batches (on every data-parallel rank)")
-        if self.eval_batches is not None and self.eval_batches < 1:
-            raise ValueError(f"eval_batches must be >= 1 or None, got {self.eval_batches}")
-        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
-            raise ValueError(f"keep_checkpoints must be >= 1 or None, got {self.keep_checkpoints}")
+        for name in ("eval_batches", "keep_checkpoints", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES} (or bfloat16, float32), got {self.dtype!r}")
         if self.schedule not in SCHEDULES:
@@ -129,10 +121,8 @@ class TrainConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.qb_rate < 0 or self.aux_loss_coef < 0:
-            raise ValueError(f"qb_rate and aux_loss_coef must be >= 0, got {self.qb_rate}, {self.aux_loss_coef}")
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
+        if self.qb_rate < 0:
+            raise ValueError(f"qb_rate must be >= 0, got {self.qb_rate}")
 
     # ---- derived ----
     @property
@@ -142,6 +132,34 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(LoopConfig):
+    model: K3Config = field(default_factory=lambda: preset("nano"))
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # degrees; torchrun gives the processes
+    preset: str | None = "nano"  # name the model section came from (informational)
+    max_steps: int = 1000
+    activation_checkpointing: bool = False
+    aux_loss_coef: float = 0.0  # > 0: add the sequence-wise auxiliary balance loss (for comparison)
+    # tokenizer and data plumbing
+    tokenizer: str | None = None  # a tokenizer folder; None: train one (model.vocab_size) into <out>/tokenizer
+    cache_dir: str | None = None  # tokenised-data cache; None: <out>/../.cache
+    # end-of-run samples
+    samples: int = 2
+    sample_tokens: int = 32
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_steps is None:
+            raise ValueError("max_steps must be >= 0, got None")
+        if self.sample_tokens < 1:
+            raise ValueError(f"sample_tokens must be >= 1, got {self.sample_tokens}")
+        if self.samples < 0:
+            raise ValueError(f"samples must be >= 0, got {self.samples}")
+        if self.aux_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
     # ---- serialisation ----
     def to_dict(self) -> dict[str, Any]:

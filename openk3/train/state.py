@@ -138,3 +138,38 @@ def record_config(out: Path, cfg, *, step: int | None, changes: list[str], name:
             fh.flush()
             os.fsync(fh.fileno())
     cfg.to_json(path)
+
+
+def settings_changes(out: Path, ckpt: Path, saved_config: dict, cfg, *, allow: bool, say: Callable[[str], None],
+                     free_keys=None, name: str = "train_config") -> list[str]:
+    """The differences between the checkpoint's config and `cfg` (`openk3.train.config.resume_changes`), said
+    aloud; a ValueError listing those that change the run's maths unless `allow` (they are then recorded, with
+    the old config, in `<name>_history.jsonl` by `record_config`)."""
+    from openk3.train.config import resume_changes
+
+    free, refused = resume_changes(saved_config, cfg.to_dict(), free_keys)
+    if refused and not allow:
+        raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change the run's "
+                         f"maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nto resume the run as it was, "
+                         "drop those options (or give the checkpoint's values); to continue with the new ones, pass "
+                         f"--allow-config-change (allow_config_change=True); the old config is then kept in "
+                         f"{name}_history.jsonl")
+    changes = refused + free
+    if changes:
+        say(f"config changed since {ckpt.name}: " + "; ".join(changes))
+    return changes
+
+
+def recover_final_eval(history: list[dict], step: int, keys: tuple[str, ...], metrics_path: Path | None = None
+                       ) -> int | None:
+    """The last step the run evaluated, from its history; when that is not `step` and `metrics_path` is given,
+    the eval of `step` logged in metrics.jsonl (a run an older version finished saved before its final eval:
+    that eval is in the metrics, not in the checkpoint's history) is appended to `history` (only `keys`), so the
+    resumed run does not evaluate, and log, it again."""
+    from openk3.train.metrics import logged_eval
+
+    last = max((h["step"] for h in history if h["kind"] == "eval"), default=None)
+    if last != step and metrics_path is not None and (rec := logged_eval(str(metrics_path), step)) is not None:
+        history.append({k: rec[k] for k in ("kind", "step", *keys)})
+        last = step
+    return last

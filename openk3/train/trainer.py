@@ -30,10 +30,8 @@ run will write (`keep_checkpoints` bounds them) and the token cache, estimated f
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,38 +43,49 @@ import torch.nn as nn
 from openk3.checkpoint.runs import checkpoint_root, find_latest, list_checkpoints, step_dir_name
 from openk3.checkpoint.steps import save_checkpoint
 from openk3.common import autocast_context
+from openk3.log import quiet_reporter, reporter
 from openk3.ops.loss import IGNORE_INDEX, cross_entropy_sum
 from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import Mesh, null_mesh
+from openk3.tokenizer.files import tokenizer_files
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
-from openk3.train.config import TrainConfig, resume_changes
-from openk3.train.metrics import MetricsLog, logged_eval, losses_by_step, mfu, peak_flops, plot_losses
+from openk3.train.config import LoopConfig, TrainConfig
+from openk3.train.loop import NO_LOG, Cadence, EventHook, Job, run_loop
+from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
-from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids  # noqa: F401
+from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids
 from openk3.train.samples import val_samples
 from openk3.train.schedule import LRSchedule
 from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, checkpoints_to_fit, planned_saves
-from openk3.train.state import open_run_folder, record_config, restart_changes, resume_trainer, rng_state, set_rng_state
+from openk3.train.state import (
+    open_run_folder,
+    record_config,
+    recover_final_eval,
+    restart_changes,
+    resume_trainer,
+    rng_state,
+    set_rng_state,
+    settings_changes,
+)
 from openk3.train.threads import ThreadTuner
-
-EventHook = Callable[[str, dict], None]
 
 
 class Trainer:
     """One optimizer step at a time over `batches` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, batches, optimizers: OptimizerSet, schedule: LRSchedule, cfg: TrainConfig,
+    def __init__(self, model: nn.Module, batches, optimizers: OptimizerSet, schedule: LRSchedule, cfg: LoopConfig,
                  *, device: torch.device | str = "cpu", threads: int = 1, mesh: Mesh | None = None) -> None:
         from openk3.model.accounting import flops_per_token
 
         self.model, self.batches, self.opt, self.schedule, self.cfg = model, batches, optimizers, schedule, cfg
+        self.aux_loss_coef = getattr(cfg, "aux_loss_coef", 0.0)  # pretraining's comparison option (not in SFT)
         # data parallelism (openk3.parallel): each rank trains on its rows of every global batch
         self.mesh = mesh or null_mesh()
         if self.mesh.dp_size > 1 or self.mesh.cfg.pp > 1:
             kind = "data" if self.mesh.dp_size > 1 else "pipeline"
-            for on, what in ((cfg.aux_loss_coef > 0, "aux_loss_coef > 0"), (cfg.qk_clip, "qk_clip")):
+            for on, what in ((self.aux_loss_coef > 0, "aux_loss_coef > 0"), (cfg.qk_clip, "qk_clip")):
                 if on:
                     raise ValueError(f"{what} with {kind} parallelism is not implemented yet (issue 19); run it in "
                                      "one process or turn it off")
@@ -85,14 +94,14 @@ class Trainer:
             from openk3.parallel.pipeline import Pipeline
 
             self.pipeline = Pipeline(model, self.mesh, n_micro=cfg.grad_accum, device=device)
-        if cfg.grad_accum > 1 and cfg.aux_loss_coef > 0:
+        if cfg.grad_accum > 1 and self.aux_loss_coef > 0:
             raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
         self.history: list[dict] = []  # compact train/eval records (what loss.png is drawn from)
-        self.recorder = RoutingRecorder(model, keep_inputs=cfg.aux_loss_coef > 0).enable()
+        self.recorder = RoutingRecorder(model, keep_inputs=self.aux_loss_coef > 0).enable()
         self.qk_recorder = QKClipRecorder(model).enable() if cfg.qk_clip else None
         self.flops_per_token = flops_per_token(model, cfg.seq_len, training=True)
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
@@ -135,9 +144,9 @@ class Trainer:
                 loss_sum, _ = cross_entropy_sum(logits, labels[part])
                 share = loss_sum / count.clamp_min(1)
                 total = share
-                if cfg.aux_loss_coef > 0 and self.recorder.layers:
+                if self.aux_loss_coef > 0 and self.recorder.layers:
                     aux = self.recorder.aux_loss()
-                    total = share + cfg.aux_loss_coef * aux
+                    total = share + self.aux_loss_coef * aux
             recorded = {n: len(r) for n, r in self.recorder.records.items()}
             # FSDP averages the ranks' gradients; the shares of the global mean must add up, so undo the division
             (total * self.mesh.dp_size if self.mesh.dp_size > 1 else total).backward()
@@ -245,7 +254,7 @@ class Trainer:
 
 # ---- set-up -------------------------------------------------------------------------------------------
 
-def build_trainer(model: nn.Module, batches, cfg: TrainConfig, *, mesh: Mesh | None = None,
+def build_trainer(model: nn.Module, batches, cfg: LoopConfig, *, mesh: Mesh | None = None,
                   device: torch.device | str = "cpu", threads: int = 1) -> Trainer:
     """A `Trainer` for `model` the way every caller sets one up: routed experts spread over the ep ranks
     (`parallel.ep` > 1), then FSDP2 for the rest (both no-ops in one process), then the optimizers built on
@@ -263,26 +272,97 @@ def build_trainer(model: nn.Module, batches, cfg: TrainConfig, *, mesh: Mesh | N
     return Trainer(model, batches, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
 
 
-def _say(msg: str) -> None:
-    print(f"[train] {msg}", flush=True)
+class PretrainJob(Job):
+    """Pretraining as a job of the run loop (`train.loop`): the `Trainer`'s step over the packed loader,
+    bits-per-byte evaluation on the validation split, checkpoints (rank 0 writes; several processes also
+    write DCP shards), loss.png."""
 
+    tag = "train"
 
-def _warn(msg: str) -> None:
-    print(f"[train] warning: {msg}", file=sys.stderr, flush=True)
+    def __init__(self, trainer: Trainer, loader, val, cfg: TrainConfig, out: Path, mesh: Mesh, *, tuner, extra: dict,
+                 empty_copy: Callable[[], nn.Module]) -> None:
+        self.trainer, self.loader, self.val, self.cfg, self.out, self.mesh = trainer, loader, val, cfg, out, mesh
+        self.tuner, self.extra, self.empty_copy = tuner, extra, empty_copy
+        self.drawn = -1  # how much of the history loss.png shows (the history is append-only)
 
+    @property
+    def step(self) -> int:
+        return self.trainer.step
 
-def _quiet(msg: str) -> None:
-    """What ranks other than 0 say: nothing (rank 0 speaks for the run)."""
+    @property
+    def evaluates(self) -> bool:
+        return True
 
+    def next_step(self) -> dict:
+        if self.tuner is not None:
+            self.trainer.use_threads(self.tuner.threads_for(self.trainer.step + 1))
+        rec = self.trainer.train_step(self.loader.next())
+        if self.tuner is not None and (note := self.tuner.record(self.trainer.step, rec["step_time"])):
+            self.note(note)
+        return rec
 
-class _NoLog:
-    """The metrics log of ranks other than 0."""
+    def step_line(self, rec: dict, max_steps: int) -> str:
+        lb = rec["load_max_over_mean"]
+        return (f"step {rec['step']}/{max_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s"
+                + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else "")
+                + (f" load max/mean {lb:.2f}" if lb is not None else ""))
 
-    def log(self, record: dict) -> None:
-        pass
+    def postfix(self, rec: dict) -> dict[str, str]:
+        out = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
+        if rec["mfu"] is not None:
+            out["mfu"] = f"{rec['mfu']:.1%}"
+        return out
+
+    def evaluate(self) -> dict:
+        return self.trainer.evaluate(self.val)  # every rank evaluates the same batches (the forward is collective)
+
+    def eval_line(self, rec: dict) -> str:
+        return f"eval step {rec['step']}: val loss {rec['val_loss']:.4f}, {rec['val_bpb']:.4f} bits/byte"
+
+    def plot(self) -> None:
+        history = self.trainer.history
+        # a step that evaluates and then saves would draw the same picture twice (matplotlib: ~0.2 s a draw)
+        if self.mesh.is_main and self.drawn != len(history):
+            plot_losses(losses_by_step(history), losses_by_step(history, "eval", "val_loss"),
+                        str(self.out / "loss.png"))
+            self.drawn = len(history)
+
+    def save(self) -> Path | None:
+        # several processes: the optimizer state goes to DCP shards written by every rank into a staging folder
+        # that rank 0 moves into the checkpoint as it commits (parallel/checkpoint.py); one process: as it was
+        from openk3.parallel.fsdp import gathered_model
+
+        trainer, mesh, out = self.trainer, self.mesh, self.out
+        state = trainer.state_dict(optimizer=not mesh.distributed)
+        state["config"] = self.cfg.to_dict()
+        dirs = None
+        if mesh.distributed:
+            from openk3.parallel.checkpoint import MODEL_DIR, OPTIMIZER_DIR, STAGING_PREFIX, save_model, save_optimizer
+
+            staging = checkpoint_root(out) / f"{STAGING_PREFIX}{step_dir_name(trainer.step)}"
+            staging_w = checkpoint_root(out) / f"{STAGING_PREFIX}weights-{step_dir_name(trainer.step)}"
+            if mesh.is_main:
+                for folder in (staging, staging_w):
+                    shutil.rmtree(folder, ignore_errors=True)
+                staging.parent.mkdir(parents=True, exist_ok=True)
+            mesh.barrier()
+            if trainer.pipeline is not None:  # every rank then holds every stage's current weights
+                trainer.pipeline.sync(trainer.model)
+            save_optimizer(trainer.model, trainer.opt, staging)
+            save_model(trainer.model, staging_w)  # what a multi-process resume reads, each rank its own rows
+            dirs = {OPTIMIZER_DIR: staging, MODEL_DIR: staging_w}
+            state["weights_dcp"] = MODEL_DIR
+        whole = gathered_model(trainer.model, mesh, self.empty_copy)  # (pipeline stages were synchronised above)
+        path = None
+        if mesh.is_main:
+            path = save_checkpoint(out, trainer.step, whole, state, extra_files=self.extra,
+                                   keep=self.cfg.keep_checkpoints, extra_dirs=dirs)
+        mesh.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
+        return path
 
     def close(self) -> None:
-        pass
+        self.trainer.close()
 
 
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
@@ -320,7 +400,8 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     from openk3.parallel.fsdp import gathered_model
 
     main = mesh.is_main
-    say, warn = (_say, _warn) if main else (_quiet, _quiet)
+    report = reporter("train") if main else quiet_reporter("train")
+    say, warn = report.info, report.warning
     out.mkdir(parents=True, exist_ok=True)
     # one process on the CPU with no thread count given: all CPUs or one, measured as it trains (train/threads.py)
     tuner = None
@@ -350,20 +431,10 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
         say(f"model.vocab_size {cfg.model.vocab_size} -> {tok.vocab_size} (the tokenizer's)")
     cfg = dataclasses.replace(cfg, model=with_tokenizer_ids(cfg.model, tok))
     say(f"tokenizer {tok_dir}: vocab {tok.vocab_size} ({tok.n_ranks} ranks + {len(tok.special_ids)} specials)")
-    changes: list[str] = []
     if saved is not None:
-        free, refused = resume_changes(saved["config"], cfg.to_dict())
-        if refused and not allow_config_change:
-            raise ValueError(f"{out}: the config differs from checkpoint {ckpt.name}'s in settings that change "
-                             f"the run's maths (checkpoint -> now):\n  " + "\n  ".join(refused) + "\nto resume the "
-                             "run as it was, drop those options (or give the checkpoint's values); to continue with "
-                             "the new ones, pass --allow-config-change (train(..., allow_config_change=True)); the "
-                             "old config is then kept in train_config_history.jsonl")
-        changes = refused + free
-        if changes:
-            say(f"config changed since {ckpt.name}: " + "; ".join(changes))
-    elif main:
-        changes = restart_changes(out, cfg, "train_config")
+        changes = settings_changes(out, ckpt, saved["config"], cfg, allow=allow_config_change, say=say)
+    else:
+        changes = restart_changes(out, cfg, "train_config") if main else []
     if main:
         record_config(out, cfg, step=None if saved is None else int(saved["step"]), changes=changes)
 
@@ -393,121 +464,20 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     metrics_path = out / "metrics.jsonl"
     resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say, write=main)
     saved_weights = None  # copied into `model`: do not hold a second copy through training
-
-    def emit(kind: str, info: dict) -> None:
-        if on_event is not None and main:
-            on_event(kind, info)
-
-    log = MetricsLog(str(metrics_path)) if main else _NoLog()
+    log = MetricsLog(str(metrics_path)) if main else NO_LOG
     if resumed_from is not None:
         log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
-    extra = {name: str(tok_dir / name) for name in ("tiktoken.model", "tokenizer_config.json")
-             if (tok_dir / name).is_file()}
+    extra = tokenizer_files(tok_dir)
 
     def empty_copy() -> nn.Module:  # what `gathered_model` fills with the whole tensors on rank 0
         return K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)
 
-    drawn = {"records": -1}  # how much of the history loss.png shows (history is append-only)
-
-    def plot() -> None:
-        # a step that evaluates and then saves would draw the same picture twice (matplotlib: ~0.2 s a draw)
-        if main and drawn["records"] != len(trainer.history):
-            plot_losses(losses_by_step(trainer.history), losses_by_step(trainer.history, "eval", "val_loss"),
-                        str(out / "loss.png"))
-            drawn["records"] = len(trainer.history)
-
-    def save() -> None:
-        # several processes: the optimizer state goes to DCP shards written by every rank into a staging folder
-        # that rank 0 moves into the checkpoint as it commits (parallel/checkpoint.py); one process: as it was
-        state = trainer.state_dict(optimizer=not mesh.distributed)
-        state["config"] = cfg.to_dict()
-        dirs = None
-        if mesh.distributed:
-            from openk3.parallel.checkpoint import MODEL_DIR, OPTIMIZER_DIR, STAGING_PREFIX, save_model, save_optimizer
-
-            staging = checkpoint_root(out) / f"{STAGING_PREFIX}{step_dir_name(trainer.step)}"
-            staging_w = checkpoint_root(out) / f"{STAGING_PREFIX}weights-{step_dir_name(trainer.step)}"
-            if main:
-                for folder in (staging, staging_w):
-                    shutil.rmtree(folder, ignore_errors=True)
-                staging.parent.mkdir(parents=True, exist_ok=True)
-            mesh.barrier()
-            if trainer.pipeline is not None:  # every rank then holds every stage's current weights
-                trainer.pipeline.sync(model)
-            save_optimizer(model, trainer.opt, staging)
-            save_model(model, staging_w)  # what a multi-process resume reads, each rank its own rows
-            dirs = {OPTIMIZER_DIR: staging, MODEL_DIR: staging_w}
-            state["weights_dcp"] = MODEL_DIR
-        whole = gathered_model(model, mesh, empty_copy)  # (pipeline stages were synchronised above)
-        if main:
-            path = save_checkpoint(out, trainer.step, whole, state, extra_files=extra, keep=cfg.keep_checkpoints,
-                                   extra_dirs=dirs)
-            plot()
-            emit("checkpoint", {"step": trainer.step, "path": str(path)})
-        mesh.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
-
-    def evaluate() -> dict:
-        rec = trainer.evaluate(ds.val)  # every rank evaluates the same batches (the forward is collective)
-        log.log(rec)
-        if main:
-            bar.write(f"[train] eval step {rec['step']}: val loss {rec['val_loss']:.4f}, "
-                      f"{rec['val_bpb']:.4f} bits/byte")
-        plot()
-        emit("eval", rec)
-        return rec
-
-    from tqdm import tqdm
-
-    bar = tqdm(total=cfg.max_steps, initial=trainer.step, file=sys.stderr, disable=not progress, unit="step",
-               dynamic_ncols=True, desc="train")
-    last_saved = trainer.step if ckpt is not None else None
-    last_eval = max((h["step"] for h in trainer.history if h["kind"] == "eval"), default=None)
-    if resumed_from is not None and last_eval != trainer.step and not mesh.distributed:
-        # a run an older version finished saved before its final eval: that eval is in metrics.jsonl, not in
-        # the checkpoint's history (and evaluating again would log it twice)
-        if (rec := logged_eval(str(metrics_path), trainer.step)) is not None:
-            trainer.history.append({k: rec[k] for k in ("kind", "step", "val_loss", "val_bpb")})
-            last_eval = trainer.step
-    try:
-        while trainer.step < cfg.max_steps:
-            if tuner is not None:
-                trainer.use_threads(tuner.threads_for(trainer.step + 1))
-            rec = trainer.train_step(loader.next())
-            log.log(rec)
-            step = trainer.step
-            if tuner is not None and (note := tuner.record(step, rec["step_time"])) and main:
-                bar.write(f"[train] {note}")
-            postfix = {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
-            if rec["mfu"] is not None:
-                postfix["mfu"] = f"{rec['mfu']:.1%}"
-            bar.set_postfix(postfix, refresh=False)
-            bar.update(1)
-            if main and (step % cfg.log_every == 0 or step == 1 or step == cfg.max_steps):
-                lb = rec["load_max_over_mean"]
-                bar.write(f"[train] step {step}/{cfg.max_steps} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                          f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:,.0f} tok/s"
-                          + (f" mfu {rec['mfu']:.1%}" if rec["mfu"] is not None else "")
-                          + (f" load max/mean {lb:.2f}" if lb is not None else ""))
-            emit("step", rec)
-            if not math.isfinite(rec["loss"]):
-                raise FloatingPointError(f"loss is {rec['loss']} at step {step}")
-            # the last step evaluates before it saves, so a finished run's checkpoint holds its final eval
-            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps:
-                evaluate()
-                last_eval = step
-            if cfg.save_every and step % cfg.save_every == 0:
-                save()
-                last_saved = step
-        if last_eval != trainer.step:
-            evaluate()
-        if last_saved != trainer.step:
-            save()
-        else:
-            plot()
-    finally:
-        bar.close()
-        log.close()
-        trainer.close()
+    job = PretrainJob(trainer, loader, ds.val, cfg, out, mesh, tuner=tuner, extra=extra, empty_copy=empty_copy)
+    last_eval = recover_final_eval(trainer.history, trainer.step, ("val_loss", "val_bpb"),
+                                   metrics_path if resumed_from is not None and not mesh.distributed else None)
+    run_loop(job, Cadence(cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), log, report=report,
+             progress=progress, on_event=on_event if main else None,
+             last_saved=trainer.step if ckpt is not None else None, last_eval=last_eval)
 
     final_eval = next(h for h in reversed(trainer.history) if h["kind"] == "eval")
     train_losses = losses_by_step(trainer.history)
@@ -516,7 +486,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
                "val_loss": final_eval["val_loss"], "val_bpb": final_eval["val_bpb"],
                "checkpoint": str(find_latest(out)), "vocab_size": tok.vocab_size, "samples": []}
     say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "
-         f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
+        f"{final_eval['val_loss']:.4f} nats/token, {final_eval['val_bpb']:.4f} bits per byte")
     # several processes: rank 0 samples from a whole copy (a sharded forward is collective, and ranks that drew
     # different tokens would run different numbers of them and hang)
     sampler = gathered_model(model, mesh, empty_copy, trainer.pipeline) if cfg.samples and mesh.distributed else model

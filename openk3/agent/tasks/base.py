@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from openk3.agent.audit import canonical_json
+
 SPLITS = ("train", "test", "heldout")
 TEST_BUCKETS = 2  # of 10 hash buckets: the test share of the ordinary templates' instances
 MAX_ATTEMPTS = 1000  # a split holds ~20 % or more of a family's instances: this is never reached in practice
@@ -347,8 +349,4 @@ def hmac_digest(key: str, value) -> str:
     """The digest a grader compares a result against: HMAC-SHA256 of its canonical JSON under `key`."""
     import hmac
 
-    return hmac.new(key.encode(), canonical_json(value).encode(), hashlib.sha256).hexdigest()
-
-
-def canonical_json(value) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hmac.new(key.encode(), canonical_json(value, strict=True).encode(), hashlib.sha256).hexdigest()

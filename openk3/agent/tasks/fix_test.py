@@ -19,7 +19,9 @@ import random
 import string
 from dataclasses import dataclass
 
-from .base import GRADER_PRELUDE, Call, Family, Task, canonical_json, hmac_digest, register
+from openk3.agent.audit import canonical_json
+
+from .base import GRADER_PRELUDE, Call, Family, Task, hmac_digest, register
 
 TOOLS = ["Shell", "ReadFile", "WriteFile", "StrReplaceFile", "Glob", "Grep", "Submit"]
 MODULE_NAMES = ("utils", "helpers", "core", "mathx", "textops", "listkit", "calc", "numbers_util", "misc")
@@ -184,7 +186,7 @@ def run_function(source: str, name: str, args: list):
     ns: dict = {}
     exec(source, ns)  # noqa: S102 - the family's own templates, never the agent's code
     try:
-        return ("ok", json.loads(canonical_json(ns[name](*json.loads(json.dumps(args))))))
+        return ("ok", json.loads(canonical_json(ns[name](*json.loads(json.dumps(args))), strict=True)))
     except Exception as e:
         return ("raises", type(e).__name__)
 
