@@ -93,5 +93,5 @@ def main(args: argparse.Namespace) -> int:
                     budget_forcing=args.budget_forcing, max_num_seqs=args.max_num_seqs,
                     max_model_len=args.max_model_len, device=args.device,
                     teacher_metrics=_pairs(args.teacher_metrics, "--teacher-metrics"),
-                    mopd_metrics=args.mopd_metrics, say=lambda msg: print(f"[eval] {msg}", flush=True))
+                    mopd_metrics=args.mopd_metrics)
     return 0

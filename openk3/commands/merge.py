@@ -43,6 +43,5 @@ def main(args: argparse.Namespace) -> int:
     from openk3.posttrain.merge import merge_checkpoints
 
     merge_checkpoints(args.base, args.models, args.out, args.method, weights=args.weights, lam=args.lam,
-                      density=args.density, seed=args.seed, dtype=args.dtype,
-                      say=lambda msg: print(f"[merge] {msg}", flush=True))
+                      density=args.density, seed=args.seed, dtype=args.dtype)
     return 0

@@ -1,9 +1,9 @@
 """Pipeline parallelism with stages cut at Block AttnRes boundaries (background B.3), on torch's pipelining.
 
-    bounds = stage_bounds(model.config, pp=2)      # [(0, 3), (3, 9)]: layers of each stage
-    pipe = Pipeline(model, mesh, n_micro=4)        # this rank's stage; Schedule1F1B over the pp ranks
-    loss = pipe.step(ids, labels, seg, count)      # forward + backward of the step's micro-batches
-    pipe.sync(model)                               # every rank gets every stage's weights (eval, saves)
+    bounds = stage_bounds(model.config, pp=2)         # [(0, 3), (3, 9)]: layers of each stage
+    pipe = PipelineParallel(model, mesh, n_micro=4)   # this rank's stage; Schedule1F1B over the pp ranks
+    loss = pipe.step(ids, labels, seg, count)         # forward + backward of the step's micro-batches
+    pipe.sync(model)                                  # every rank gets every stage's weights (eval, saves)
 
 What crosses a stage boundary. With Block AttnRes there is no residual stream: a layer reads the snapshots
 of the completed blocks (the bank) and the running sum of the current block (the prefix). A cut placed at a
@@ -117,7 +117,7 @@ class StageModule(nn.Module):
         return self.lm_head(self.body.output(x_BTD, blocks))
 
 
-class Pipeline:
+class PipelineParallel:
     """This rank's stage of a `parallel.pp` run and the schedule that drives it (module docstring)."""
 
     def __init__(self, model: nn.Module, mesh: Mesh, *, n_micro: int, device: torch.device | str = "cpu") -> None:

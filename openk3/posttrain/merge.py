@@ -42,7 +42,7 @@ import dataclasses
 import math
 import os
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -309,19 +309,21 @@ def config_difference(base, other) -> str | None:
 
 def merge_checkpoints(base: str | os.PathLike, models: Sequence[str | os.PathLike], out: str | os.PathLike,
                       method: str, *, weights: Sequence[float] | None = None, lam: float = 1.0,
-                      density: float | None = None, seed: int = 0, dtype: str | torch.dtype | None = "auto",
-                      say: Callable[[str], None] | None = None) -> dict:
+                      density: float | None = None, seed: int = 0, dtype: str | torch.dtype | None = "auto"
+                      ) -> dict:
     """Merge release-format checkpoints (or run folders: their latest checkpoint) that share `base` and write
     the result to `out` (atomically, in the base's expert format, with the base's other files and
     `merge_report.json`); returns that report. Every config must equal the base's and all must share one
     routed-expert format (MXFP4 experts are dequantised, merged and requantised, the error recorded). `dtype`:
     the output's on-disk dtype for what is not an fp32 island or MXFP4 bytes ("auto": as in the base). All
-    N + 1 models are held in memory in float32 at once: this is for the ablation's model sizes."""
+    N + 1 models are held in memory in float32 at once: this is for the ablation's model sizes. Reports one
+    "[merge] ..." line."""
     import json
     import tempfile
 
     from openk3.checkpoint import load, read_config, resolve_checkpoint, save
     from openk3.checkpoint.save import carried_files
+    from openk3.log import reporter
 
     base = resolve_checkpoint(base)
     folders = [resolve_checkpoint(m) for m in models]
@@ -366,9 +368,8 @@ def merge_checkpoints(base: str | os.PathLike, models: Sequence[str | os.PathLik
         with open(report_path, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=1)
         save(model, out, dtype=out_dtype, extra_files={**carried_files(str(base)), REPORT_FILE: report_path})
-    if say is not None:
-        worst = max((e["rel_rms"] for e in result.report["quant_error"].values()), default=None)
-        quant = f"; MXFP4 requantisation error <= {worst:.2e} relative RMS" if worst is not None else ""
-        say(f"{method} of {len(folders)} models onto {base} -> {out} (lam {lam}, density {density}, "
-            f"{report['dtype']}{quant})")
+    worst = max((e["rel_rms"] for e in result.report["quant_error"].values()), default=None)
+    quant = f"; MXFP4 requantisation error <= {worst:.2e} relative RMS" if worst is not None else ""
+    reporter("merge").info(f"{method} of {len(folders)} models onto {base} -> {out} (lam {lam}, density {density}, "
+                           f"{report['dtype']}{quant})")
     return report

@@ -42,6 +42,7 @@ from typing import Any
 
 from openk3.chat import THINKING_EFFORTS
 from openk3.fsutil import read_json, write_atomic
+from openk3.log import reporter
 from openk3.posttrain.records import DOMAINS
 
 PIPELINE_FILE = "pipeline.json"
@@ -196,7 +197,7 @@ def contract_problems(report: dict, domains: tuple[str, ...]) -> list[str]:
 
 
 def _say(msg: str) -> None:
-    print(f"[posttrain] {msg}", flush=True)
+    reporter("posttrain").info(msg)
 
 
 class Pipeline:
@@ -450,8 +451,7 @@ class Pipeline:
 
         p = self.profile
         teachers = list(self.teachers().values())
-        merge_checkpoints(self.out / "sft", teachers, self.out / "merged", p.merge_method, density=p.merge_density,
-                          say=lambda msg: print(f"[merge] {msg}", flush=True))
+        merge_checkpoints(self.out / "sft", teachers, self.out / "merged", p.merge_method, density=p.merge_density)
         argv = ["--base", str(self.out / "sft"), "--models", *teachers, "--method", p.merge_method,
                 "--out", str(self.out / "merged")]
         if p.merge_density is not None:
@@ -470,8 +470,7 @@ class Pipeline:
                        response_cap=p.response_cap, max_turns=p.eval_max_turns, max_num_seqs=64,
                        think_cap=p.eval_think_cap, max_model_len=self.context(self.domains))
         report = evaluate_models(models, self.out / "eval", teacher_metrics=teacher_metrics,
-                                 mopd_metrics=str(self.out / "student" / "metrics.jsonl"),
-                                 say=lambda msg: print(f"[eval] {msg}", flush=True), **options)
+                                 mopd_metrics=str(self.out / "student" / "metrics.jsonl"), **options)
         write_atomic(self.out / REPORT_FILE, (json.dumps(report, indent=1) + "\n").encode())
         problems = contract_problems(report, self.domains)
         if problems:  # the stages all ran, so this is a bug, not a partial run

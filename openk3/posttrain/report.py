@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from openk3.chat import THINKING_EFFORTS
@@ -207,12 +207,13 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
                     b_floor: int | None = None, levels: tuple[int, ...] | None = None,
                     prompt_effort: str | None = None, budget_forcing: bool = False, max_num_seqs: int = 32,
                     max_model_len: int | None = None, device: str | None = None,
-                    teacher_metrics: Mapping[str, str] | None = None, mopd_metrics: str | None = None,
-                    say: Callable[[str], None] = lambda msg: None) -> dict:
+                    teacher_metrics: Mapping[str, str] | None = None, mopd_metrics: str | None = None) -> dict:
     """Evaluate every model {name: checkpoint or run folder} on every cell and write the report into `out_dir`
     (module docstring); returns the report. `teacher_metrics` {name: metrics.jsonl} and `mopd_metrics` add
-    the training curves. ValueError for a bad name or a missing metrics file, before anything is evaluated."""
+    the training curves. ValueError for a bad name or a missing metrics file, before anything is evaluated.
+    Progress as "[eval] ..." lines."""
     from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.log import reporter
     from openk3.posttrain.budget import B_FLOOR, BudgetConfig
     from openk3.posttrain.rollout import RESPONSE_CAP
 
@@ -222,6 +223,7 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
     for name in models:
         if "/" in name and name not in CELLS:
             raise ValueError(f"--models: {name!r} is not a cell (cells: {', '.join(CELLS)})")
+    say = reporter("eval").info
     teacher_metrics = dict(teacher_metrics or {})
     for what, file in [*teacher_metrics.items(), ("--mopd-metrics", mopd_metrics)]:
         if file is not None and not os.path.isfile(file):  # checked now, not after hours of evaluation

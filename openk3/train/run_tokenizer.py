@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 from openk3.fsutil import naming
+from openk3.log import reporter
 from openk3.train.config import TrainConfig
 
 
@@ -33,7 +34,7 @@ def train_tokenizer(cfg: TrainConfig, out_dir: Path):
     from openk3.data.sources import iter_texts
     from openk3.tokenizer import train_bpe
 
-    print(f"[train] training a tokenizer with vocab {cfg.model.vocab_size} on data {cfg.data.source!r}", flush=True)
+    reporter("train").info(f"training a tokenizer with vocab {cfg.model.vocab_size} on data {cfg.data.source!r}")
     folder = out_dir / "tokenizer"
     tmp = out_dir / ".tokenizer.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -91,9 +91,9 @@ class Trainer:
                                      "one process or turn it off")
         self.pipeline = None  # pipeline stages (parallel.pp): this rank's stage and its schedule
         if self.mesh.cfg.pp > 1 and self.mesh.distributed:
-            from openk3.parallel.pipeline import Pipeline
+            from openk3.parallel.pipeline import PipelineParallel
 
-            self.pipeline = Pipeline(model, self.mesh, n_micro=cfg.grad_accum, device=device)
+            self.pipeline = PipelineParallel(model, self.mesh, n_micro=cfg.grad_accum, device=device)
         if cfg.grad_accum > 1 and self.aux_loss_coef > 0:
             raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
