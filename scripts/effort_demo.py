@@ -27,7 +27,7 @@ def main(argv: list[str]) -> dict[str, list[int]]:
     args = p.parse_args(argv)
     setup_cpu(1)
     import openk3
-    from openk3.posttrain.rl_problems import ProblemSource
+    from openk3.posttrain.trainers.problems import ProblemSource
 
     llm = openk3.LLM(args.model)
     problems = ProblemSource("general", "max", llm.tokenizer, split="test", seed=0).draw(0, args.n, total_steps=1)

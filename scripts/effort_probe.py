@@ -41,7 +41,7 @@ def main(argv: list[str]) -> list[dict]:
     from openk3.agent import SandboxEnv
     from openk3.agent.tasks import generate
     from openk3.chat import encode_segments, render
-    from openk3.posttrain.agentic import DOMAINS
+    from openk3.posttrain.domains.agentic import DOMAINS
 
     llm = openk3.LLM(args.model)
     model, tok = llm.model, llm.tokenizer

@@ -35,6 +35,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__",),  # `python -m openk3` / the `openk3` door
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+#: Inside a package with rooms, the same rule one level down (the rooms are listed in the package docstring).
+ROOMS: dict[str, list[tuple[str, ...]]] = {
+    "posttrain": [("domains",), ("trainers",), ("evaluation", "merge"), ("pipeline",)],
+}
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -88,14 +92,28 @@ def layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] in ROOMS else None
+
+
 def back_edges(graph, files: dict[str, Path]) -> list[str]:
-    """Imports that go up the layer order or sideways to a sibling package."""
+    """Imports that go up the layer order or sideways to a sibling package (or room)."""
     bad = []
     for src, targets in graph.items():
         a = layer_of(src)
         for dst, line, _ in targets:
             b = layer_of(dst)
             if a == b:
+                ra, rb = room_of(src), room_of(dst)
+                if ra is None or rb is None or ra == rb:
+                    continue
+                rank = {name: i for i, room in enumerate(ROOMS[a]) for name in room}
+                assert ra in rank and rb in rank, f"{src} -> {dst}: add {ra!r} / {rb!r} to ROOMS[{a!r}]"
+                if rank[rb] >= rank[ra]:
+                    where = "above" if rank[rb] > rank[ra] else "beside"
+                    bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{line} imports {dst}: room {a}/{rb} is "
+                               f"{where} {a}/{ra}; a room may only import rooms below it")
                 continue
             assert a in RANK and b in RANK, f"{src} -> {dst}: add {a!r} / {b!r} to LAYERS (and the diagram)"
             if RANK[b] >= RANK[a]:
@@ -219,6 +237,9 @@ def test_an_injected_back_edge_and_cycle_are_caught():
     graph["openk3.infer.llm"].append(("openk3.agent.env", 3, None))  # siblings do not import each other
     assert any(e.startswith("openk3/infer/llm.py:3 imports openk3.agent.env: layer 'agent' (10) is beside 'infer'")
                for e in back_edges(graph, files))
+    graph["openk3.posttrain.domains.general"].append(("openk3.posttrain.trainers.rl", 9, None))
+    assert any(e.startswith("openk3/posttrain/domains/general.py:9 imports openk3.posttrain.trainers.rl: room "
+                            "posttrain/trainers is above posttrain/domains") for e in back_edges(graph, files))
     graph["openk3.serve.app"].append(("openk3.model.model", 5, "_query"))
     assert private_imports(graph, files)[0] == "openk3/serve/app.py:5 imports the private openk3.model.model._query"
 

@@ -1,4 +1,4 @@
-"""The `agent` and `coding` domains' SFT trajectories (openk3/posttrain/agentic.py, agentic_traces.py).
+"""The `agent` and `coding` domains' SFT trajectories (openk3/posttrain/domains/agentic.py, agentic_traces.py).
 
 The experts act in the real sandbox, so these tests need one; they skip with the reason where
 `openk3.agent.unavailable_reason()` names a missing piece. The datasets are built once per module, small
@@ -16,9 +16,9 @@ import pytest
 from openk3.agent import unavailable_reason
 from openk3.agent.tasks import FAMILIES, Call, generate
 from openk3.agent.tools import declare
-from openk3.posttrain import agentic
-from openk3.posttrain.agentic import agentic_dataset, problem_signature, verify_record
-from openk3.posttrain.records import byte_tokenizer, read_jsonl, roundtrip_problems, think_tokens, write_jsonl
+from openk3.posttrain.domains import agentic
+from openk3.posttrain.domains.agentic import agentic_dataset, problem_signature, verify_record
+from openk3.posttrain.domains.records import byte_tokenizer, read_jsonl, roundtrip_problems, think_tokens, write_jsonl
 
 WHY = unavailable_reason()
 needs_sandbox = pytest.mark.skipif(WHY is not None, reason=f"no sandbox on this host: {WHY}")

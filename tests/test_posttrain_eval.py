@@ -19,12 +19,13 @@ from helpers import nano_cut
 import openk3
 from openk3.chat import CLOSE, SEP, THINKING_EFFORTS, encode_segments, render
 from openk3.infer.engine import RequestOutput
-from openk3.posttrain import evaluate as ev
-from openk3.posttrain import general, plots
-from openk3.posttrain import report as rep
-from openk3.posttrain.budget import BudgetConfig
-from openk3.posttrain.records import DOMAINS, byte_tokenizer
-from openk3.posttrain.rl_problems import ProblemSource
+from openk3.posttrain.domains import general
+from openk3.posttrain.domains.budget import BudgetConfig
+from openk3.posttrain.domains.records import DOMAINS, byte_tokenizer
+from openk3.posttrain.evaluation import evaluate as ev
+from openk3.posttrain.evaluation import plots
+from openk3.posttrain.evaluation import report as rep
+from openk3.posttrain.trainers.problems import ProblemSource
 
 TOK = byte_tokenizer()
 CAP = 400  # the scripted evaluations' think cap: above every general budget at b_floor 16
@@ -472,7 +473,7 @@ def test_the_command_module_defaults_agree_with_rollout_and_import_no_torch():
     import sys
 
     from openk3.commands import eval as eval_cmd
-    from openk3.posttrain import rollout
+    from openk3.posttrain.trainers import rollout
 
     assert eval_cmd.RESPONSE_CAP == rollout.RESPONSE_CAP
     code = "import sys, openk3.commands.eval, openk3.commands.distill; print('torch' in sys.modules)"

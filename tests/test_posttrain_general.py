@@ -10,9 +10,9 @@ import re
 import pytest
 
 from openk3.chat import END_OF_MSG, THINKING_EFFORTS, encode_segments, marker_ids_of, parse_tokens, render
-from openk3.posttrain import budget as B
-from openk3.posttrain.general import FAMILIES, KNOWN_WORDS, generate, score, sft_dataset, split_of, to_records
-from openk3.posttrain.records import (
+from openk3.posttrain.domains import budget as B
+from openk3.posttrain.domains.general import FAMILIES, KNOWN_WORDS, generate, score, sft_dataset, split_of, to_records
+from openk3.posttrain.domains.records import (
     byte_tokenizer,
     fill_budgets,
     read_jsonl,
@@ -362,7 +362,7 @@ def test_sft_dataset_options():
 
 
 def test_sft_dataset_says_when_a_split_runs_out(monkeypatch):
-    import openk3.posttrain.general as G
+    import openk3.posttrain.domains.general as G
 
     def tiny(rng, level, template):  # three distinct prompts in all
         return {"prompt": f"What is {rng.randint(1, 3)} + 1?", "answer": "x", "difficulty": 1,

@@ -1,4 +1,4 @@
-"""The post-training losses (openk3/posttrain/losses.py): gradients against finite differences, the
+"""The post-training losses (openk3/posttrain/trainers/losses.py): gradients against finite differences, the
 group-advantage identities, zero-variance skipping, clip-higher, importance weights, MOPD's zero
 signal when student == teacher, its clip, and per-cell teacher routing (background §3.10)."""
 
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from openk3.posttrain.losses import (
+from openk3.posttrain.trainers.losses import (
     group_advantages,
     grpo_loss,
     importance_weights,

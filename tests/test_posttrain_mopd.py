@@ -26,9 +26,9 @@ import openk3
 from openk3.chat import OPEN, SEP
 from openk3.checkpoint import runs
 from openk3.infer.engine import Engine
-from openk3.posttrain.mopd import MOPDConfig, distill, draw_cells, floor_gaps, mopd_step, read_teacher_map
-from openk3.posttrain.records import byte_tokenizer
-from openk3.posttrain.rollout import Problem, RolloutConfig
+from openk3.posttrain.domains.records import byte_tokenizer
+from openk3.posttrain.trainers.mopd import MOPDConfig, distill, draw_cells, floor_gaps, mopd_step, read_teacher_map
+from openk3.posttrain.trainers.rollout import Problem, RolloutConfig
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -170,10 +170,10 @@ def test_the_mopd_gradient_descends_the_full_vocabulary_reverse_kl():
     MOPD loss's gradient lowers the exact (full-vocabulary) reverse KL at the sampled positions, a step along
     it raises it. A sign error or a teacher scored one position off fails here. The student is a flatter
     copy of the teacher (lm_head x10 vs x30) so 512 samples carry a clear signal."""
-    from openk3.posttrain import losses
-    from openk3.posttrain.mopd import teacher_logprobs
-    from openk3.posttrain.rl import make_batch, token_logprobs
-    from openk3.posttrain.rollout import rollout
+    from openk3.posttrain.trainers import losses
+    from openk3.posttrain.trainers.mopd import teacher_logprobs
+    from openk3.posttrain.trainers.rl import make_batch, token_logprobs
+    from openk3.posttrain.trainers.rollout import rollout
 
     torch.manual_seed(0)
     model = tiny_model()

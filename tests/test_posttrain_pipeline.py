@@ -15,7 +15,7 @@ import pytest
 
 import openk3
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain.evaluate import MIN_N
+from openk3.posttrain.evaluation.evaluate import MIN_N
 from openk3.posttrain.pipeline import Pipeline, contract_problems, parse_domains
 
 GENERAL = [f"general/{e}" for e in THINKING_EFFORTS]
@@ -86,7 +86,7 @@ def test_tiny_profile_end_to_end_follows_the_contract_and_reruns_as_a_no_op(tmp_
     assert chain["general/max"]["budget_from_effort"] is None
     for cell, start, budget_from in (("general/high", "general-max", "max"), ("general/low", "general-high", "high")):
         assert f"teachers/{start}/" in chain[cell]["model"] and chain[cell]["budget_from_effort"] == budget_from
-    # the run's tokenizer was trained on its domains and sized the model (posttrain/vocab.py)
+    # the run's tokenizer was trained on its domains and sized the model (posttrain/domains/vocab.py)
     base = state["stages"]["base"]["settings"]
     assert base["tokenizer"].startswith("bpe-") and 1024 < base["vocab_size"] <= 2048
     assert openk3.load(out / "base").config.vocab_size == base["vocab_size"]
@@ -161,7 +161,7 @@ def test_smoke_eval_ends_agentic_episodes_after_the_first_turn(tmp_path, monkeyp
     """Smoke's eval runs agent / coding episodes for one turn (`eval_max_turns`), its RL and MOPD for up to
     `max_turns`: the evaluation settings the pipeline hands on, and the teacher and student configs."""
     from openk3.posttrain import pipeline as pl
-    from openk3.posttrain import report
+    from openk3.posttrain.evaluation import report
 
     seen = {}
 
@@ -179,8 +179,8 @@ def test_smoke_eval_ends_agentic_episodes_after_the_first_turn(tmp_path, monkeyp
     assert seen["max_turns"] == 1 == pl.PROFILES["smoke"].eval_max_turns
     assert sorted(seen["models"]) == ["general/high", "general/low", "general/max", "merged", "sft", "student"]
     assert pl.PROFILES["smoke"].max_turns == 4  # what RL and MOPD use (the configs below)
-    import openk3.posttrain.mopd as mopd_module
-    import openk3.posttrain.rl as rl_module
+    import openk3.posttrain.trainers.mopd as mopd_module
+    import openk3.posttrain.trainers.rl as rl_module
 
     configs = []
     monkeypatch.setattr(rl_module, "rl", lambda cfg, out: configs.append(cfg) or {})

@@ -25,11 +25,11 @@ import openk3
 from openk3.chat import CLOSE, END_OF_MSG, OPEN, SEP, encode_segments, render
 from openk3.checkpoint import runs
 from openk3.infer.engine import Engine, RequestOutput
-from openk3.posttrain import rl_problems
-from openk3.posttrain.budget import annealed_budget, think_budget
-from openk3.posttrain.records import byte_tokenizer, think_tokens
-from openk3.posttrain.rl import RLConfig, make_batch, rl, rl_step, token_logprobs
-from openk3.posttrain.rollout import Problem, RolloutConfig, rollout
+from openk3.posttrain.domains.budget import annealed_budget, think_budget
+from openk3.posttrain.domains.records import byte_tokenizer, think_tokens
+from openk3.posttrain.trainers import problems as rl_problems
+from openk3.posttrain.trainers.rl import RLConfig, make_batch, rl, rl_step, token_logprobs
+from openk3.posttrain.trainers.rollout import Problem, RolloutConfig, rollout
 from openk3.train.metrics import read_metrics
 from openk3.train.optim import OptimConfig, build_optimizer
 
@@ -351,8 +351,8 @@ def test_budget_annealing_moves_from_the_parent_effort_to_the_cell_budget():
 def test_levels_restrict_the_general_problems_drawn():
     """`levels` (RLConfig, MOPDConfig, eval, `--levels`): RL asks the general levels SFT taught, not harder
     ones it never saw (a pipeline whose SFT used levels 1-2 drew 5-digit level-3 sums in RL)."""
-    from openk3.posttrain.general import parse_levels
-    from openk3.posttrain.mopd import MOPDConfig
+    from openk3.posttrain.domains.general import parse_levels
+    from openk3.posttrain.trainers.mopd import MOPDConfig
 
     def levels(source):
         return {p.id.split("/")[-2] for p in source.draw(0, 24, total_steps=1)}
@@ -466,8 +466,8 @@ def test_micro_batched_policy_backward_equals_the_whole_batch(which):
     """`policy_backward(micro_tokens=...)` (the full profile's memory bound) gives the whole-batch loss, stats,
     log-probs and parameter gradients, in float64, for the three losses that couple rows (group baselines,
     a batch-wide normaliser), with rows of odd, uneven lengths cut into chunks trimmed to their last target."""
-    from openk3.posttrain import losses
-    from openk3.posttrain.rl import compute_loss, policy_backward, row_chunks
+    from openk3.posttrain.trainers import losses
+    from openk3.posttrain.trainers.rl import compute_loss, policy_backward, row_chunks
 
     model = tiny_model(3).double().train()
     g = torch.Generator().manual_seed(5)

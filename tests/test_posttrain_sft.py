@@ -18,8 +18,8 @@ from helpers import nano_cut
 import openk3
 from openk3.chat import encode_segments, render
 from openk3.checkpoint import runs
-from openk3.posttrain.sft import SFTConfig, apply_overrides, sft
-from openk3.posttrain.sft_data import IGNORE_INDEX, SFTLoader, load_conversations, make_batch, pack
+from openk3.posttrain.trainers.sft import SFTConfig, apply_overrides, sft
+from openk3.posttrain.trainers.sft_data import IGNORE_INDEX, SFTLoader, load_conversations, make_batch, pack
 from openk3.tokenizer import Tokenizer
 from openk3.train.metrics import losses_by_step, read_metrics
 from openk3.train.optim import OptimConfig
@@ -204,7 +204,7 @@ def with_field(**changes) -> str:
     ('{"messages": [{"role": "user", "content": "hi"}], "tools": {"a": 1}}', "field 'tools'"),
     ('{"messages": [{"role": "robot", "content": "x"}]}', r"messages\[0\]: unsupported role"),
     ('{"messages": [{"role": "assistant", "content": "x", "tool_calls": {"id": 1}}]}', "tool_calls must be a list"),
-    # post-training records: `openk3.posttrain.records.validate_record` names the record and the field
+    # post-training records: `openk3.posttrain.domains.records.validate_record` names the record and the field
     (with_field(effort="medium"), "record 'agent-0': effort must be one of"),
     (with_field(split="dev"), "record 'agent-0': split must be one of"),
     (json.dumps({"domain": "general", "effort": "low", "messages": []}), "missing: id"),

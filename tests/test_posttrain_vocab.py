@@ -1,4 +1,4 @@
-"""The post-training pipeline's BPE tokenizer (openk3/posttrain/vocab.py): trained on rendered train-split
+"""The post-training pipeline's BPE tokenizer (openk3/posttrain/domains/vocab.py): trained on rendered train-split
 conversations from its own seed stream, markers kept special, several times fewer tokens than bytes, exact
 round trips."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from openk3.chat import render, render_text
-from openk3.posttrain.general import sft_dataset
-from openk3.posttrain.records import byte_tokenizer, render_record, render_request
-from openk3.posttrain.vocab import strip_markers, tokenizer_corpus, train_posttrain_tokenizer
+from openk3.posttrain.domains.general import sft_dataset
+from openk3.posttrain.domains.records import byte_tokenizer, render_record, render_request
+from openk3.posttrain.domains.vocab import strip_markers, tokenizer_corpus, train_posttrain_tokenizer
 from openk3.tokenizer.train import train_bpe
 
 

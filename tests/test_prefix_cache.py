@@ -63,7 +63,7 @@ def test_prompts_that_branch_like_a_tree_snapshot_at_every_branch_point(model64)
     """Several cache_prefix lengths (the rollout's branch points: tool declarations shared by all, an effort's
     system message shared by a cell): each request starts from the deepest stored one it passes, prefills the
     rest exactly, and a point its own hit passed or one already stored is not stored again."""
-    from openk3.posttrain.rollout import shared_prefixes
+    from openk3.posttrain.trainers.rollout import shared_prefixes
 
     tools, low, high = ids(19, 50), ids(7, 51), ids(5, 52)
     prompts = [tools + low + ids(4, 53), tools + low + ids(6, 54), tools + high + ids(3, 55), tools + high + ids(9, 56)]

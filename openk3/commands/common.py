@@ -32,7 +32,7 @@ def add_resume_arguments(p: argparse.ArgumentParser, *, history_file: str, maths
 def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) -> None:
     """The flags `openk3 rl` and `openk3 distill` share (d: the run config's defaults): problem split, seed,
     checkpoint interval, the engine's batch and context, threads."""
-    from openk3.posttrain.records import SPLITS
+    from openk3.posttrain.domains.records import SPLITS
 
     p.add_argument("--split", choices=SPLITS, default=d.split, help=f"problems' split (default {d.split})")
     p.add_argument("--levels", default=None, help="general difficulty levels drawn, e.g. 1,2 (default all; "
@@ -50,7 +50,7 @@ def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) 
 def rollout_run_settings(args: argparse.Namespace) -> dict:
     """The run-config fields that `add_rollout_run_arguments`' flags give (and the CPU threads, set up here)."""
     from openk3.common import setup_cpu
-    from openk3.posttrain.general import parse_levels
+    from openk3.posttrain.domains.general import parse_levels
 
     setup_cpu(args.threads)
     return dict(split=args.split, levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,

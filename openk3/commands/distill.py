@@ -7,7 +7,7 @@ student (issue 18, stage 3; docs/posttraining.md).
 teachers.json maps cells to checkpoints: {"general/low": "runs/t-general-low", ...} (relative paths are
 relative to the file). Each step the student samples on-policy, each sample is scored by its own cell's
 teacher (prefill only) and the student takes a policy-gradient step on the clipped log-prob gap
-(`openk3.posttrain.mopd`). Running it again with the same --out resumes from the last checkpoint (only
+(`openk3.posttrain.trainers.mopd`). Running it again with the same --out resumes from the last checkpoint (only
 --steps, --save-every, --student and the teachers' paths may change).
 """
 
@@ -19,7 +19,7 @@ from openk3.commands.common import add_rollout_run_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from openk3.posttrain.mopd import MOPDConfig
+    from openk3.posttrain.trainers.mopd import MOPDConfig
 
     d = MOPDConfig()
     p.add_argument("--student", required=True, help="starting checkpoint or run folder (the SFT model); its "
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.commands.common import on_policy_done, rollout_run_settings
-    from openk3.posttrain.mopd import MOPDConfig, distill
+    from openk3.posttrain.trainers.mopd import MOPDConfig, distill
 
     cells = tuple(c.strip() for c in args.cells.split(",") if c.strip()) if args.cells else ()
     cfg = MOPDConfig(student=args.student, teachers=args.teachers, cells=cells, steps=args.steps,

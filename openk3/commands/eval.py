@@ -8,9 +8,9 @@
 
 A model name that is a cell ("general/low") is that cell's RL teacher and goes under "teachers" in
 report.json; any other name (sft, student, merged, merged-ties, ...) is a model of its own. Each model is
-evaluated on every chosen cell (`openk3.posttrain.report.evaluate_models`); the command writes <out>/report.json
-({"models", "checkpoints", "settings"}), <out>/report.md and the PNG plots, plus the training curves of
---teacher-metrics / --mopd-metrics files when given. Each finished model is also saved to
+evaluated on every chosen cell (`openk3.posttrain.evaluation.report.evaluate_models`); the command writes
+<out>/report.json ({"models", "checkpoints", "settings"}), <out>/report.md and the PNG plots, plus the training
+curves of --teacher-metrics / --mopd-metrics files when given. Each finished model is also saved to
 <out>/models/<name>.json, so an interrupted run restarts from the next model (same settings only).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-# = openk3.posttrain.rollout.RESPONSE_CAP, not imported: building the CLI parser must not import torch
+# = openk3.posttrain.trainers.rollout.RESPONSE_CAP, not imported: building the CLI parser must not import torch
 # (tests/test_posttrain_eval.py checks they agree)
 RESPONSE_CAP = 256
 
@@ -26,8 +26,8 @@ RESPONSE_CAP = 256
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from openk3.chat import THINKING_EFFORTS
     from openk3.commands.common import positive_int
-    from openk3.posttrain.budget import B_FLOOR
-    from openk3.posttrain.records import SPLITS
+    from openk3.posttrain.domains.budget import B_FLOOR
+    from openk3.posttrain.domains.records import SPLITS
 
     p.add_argument("--models", required=True, nargs="+", metavar="NAME=DIR",
                    help="checkpoints (or run folders) to evaluate; NAME sft, student, merged, any other word, or a "
@@ -82,8 +82,8 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.common import setup_cpu
-    from openk3.posttrain.general import parse_levels
-    from openk3.posttrain.report import evaluate_models
+    from openk3.posttrain.domains.general import parse_levels
+    from openk3.posttrain.evaluation.report import evaluate_models
 
     setup_cpu(args.threads)
     evaluate_models(_pairs(args.models, "--models"), args.out, cells=args.cells, n_per_cell=args.n,

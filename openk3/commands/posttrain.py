@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.chat import THINKING_EFFORTS
+    from openk3.posttrain.evaluation.report import effort_ordering
     from openk3.posttrain.pipeline import Pipeline, contract_problems, parse_domains
-    from openk3.posttrain.report import effort_ordering
 
     pipeline = Pipeline(args.out, preset=args.preset, profile=args.profile, domains=parse_domains(args.domains),
                         base=args.base, seed=args.seed, threads=args.threads)

@@ -6,7 +6,7 @@
 
 Samples `--group-size` trajectories for each of `--prompts-per-step` problems per step through the
 inference engine, rewards them (verifier, think budget), and takes one optimizer step with the `kimi`
-(K2's policy-mirror-descent square) or `grpo` loss (`openk3.posttrain.rl`). Running it again with the same
+(K2's policy-mirror-descent square) or `grpo` loss (`openk3.posttrain.trainers.rl`). Running it again with the same
 --out resumes from the last checkpoint (only --steps and --save-every may change).
 """
 
@@ -19,9 +19,9 @@ from openk3.commands.common import add_rollout_run_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from openk3.posttrain import losses
-    from openk3.posttrain.records import DOMAINS
-    from openk3.posttrain.rl import LOSSES, RLConfig
+    from openk3.posttrain.domains.records import DOMAINS
+    from openk3.posttrain.trainers import losses
+    from openk3.posttrain.trainers.rl import LOSSES, RLConfig
 
     d = RLConfig()
     p.add_argument("--model", required=True, help="starting checkpoint or run folder (SFT, or the previous "
@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from openk3.commands.common import on_policy_done, rollout_run_settings
-    from openk3.posttrain.rl import RLConfig, rl
+    from openk3.posttrain.trainers.rl import RLConfig, rl
 
     cfg = RLConfig(model=args.model, domain=args.domain, effort=args.effort, steps=args.steps,
                    prompts_per_step=args.prompts_per_step, group_size=args.group_size, loss=args.loss, lr=args.lr,

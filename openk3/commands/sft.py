@@ -2,7 +2,7 @@
 
 Supervised fine-tuning of a release-format checkpoint (or a run folder's latest) on JSONL conversations
 -- post-training records or plain OpenAI chat lines -- with the loss on the assistant channels only
-(`openk3.posttrain.sft`). Writes checkpoints, metrics.jsonl and loss.png into DIR the way `openk3 train`
+(`openk3.posttrain.trainers.sft`). Writes checkpoints, metrics.jsonl and loss.png into DIR the way `openk3 train`
 does, and resumes from DIR's latest checkpoint. The config is built in layers: DIR/sft_config.json when
 DIR holds a run to resume (so `openk3 sft --out DIR` continues it as it was), else the `SFTConfig`
 defaults; then the flags; then `key=value` overrides of any `SFTConfig` field (`overflow=truncate`,
@@ -60,7 +60,7 @@ def run_config(args: argparse.Namespace) -> Path | None:
 
 def build_config(args: argparse.Namespace):
     """The SFTConfig the arguments describe (module docstring)."""
-    from openk3.posttrain.sft import SFTConfig, apply_overrides
+    from openk3.posttrain.trainers.sft import SFTConfig, apply_overrides
 
     base = run_config(args)
     cfg = SFTConfig.from_run(base) if base is not None else SFTConfig()
@@ -85,7 +85,7 @@ def build_config(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from openk3.common import resolve_device
-    from openk3.posttrain.sft import sft
+    from openk3.posttrain.trainers.sft import sft
 
     cfg = build_config(args)
     if run_config(args) is not None:

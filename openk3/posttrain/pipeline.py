@@ -43,7 +43,7 @@ from typing import Any
 from openk3.chat import THINKING_EFFORTS
 from openk3.fsutil import read_json, write_atomic
 from openk3.log import reporter
-from openk3.posttrain.records import DOMAINS
+from openk3.posttrain.domains.records import DOMAINS
 
 PIPELINE_FILE = "pipeline.json"
 REPORT_FILE = "report.json"
@@ -190,7 +190,7 @@ def teacher_dir(out: Path, cell: str) -> Path:
 def contract_problems(report: dict, domains: tuple[str, ...]) -> list[str]:
     """`evaluate.report_problems` restricted to the cells of `domains` (a general-only run cannot have the
     agent and coding cells; everything about the cells it ran must hold)."""
-    from openk3.posttrain.report import report_problems
+    from openk3.posttrain.evaluation.report import report_problems
 
     skipped = [c for c in cells(DOMAINS) if c.split("/")[0] not in domains]
     return [p for p in report_problems(report) if not any(c in p for c in skipped)]
@@ -324,7 +324,7 @@ class Pipeline:
         from openk3.checkpoint import save
         from openk3.config import preset as preset_config
         from openk3.model.model import K3ForCausalLM
-        from openk3.posttrain.records import byte_tokenizer
+        from openk3.posttrain.domains.records import byte_tokenizer
 
         if self.base_checkpoint is not None:
             return {"base": self.base_checkpoint}
@@ -341,12 +341,12 @@ class Pipeline:
                                  f"byte-level tokenizer's {tok.vocab_size} ids; give a pretrained --base with its "
                                  "tokenizer")
         else:
-            from openk3.posttrain.vocab import train_posttrain_tokenizer
+            from openk3.posttrain.domains.vocab import train_posttrain_tokenizer
             from openk3.train.trainer import with_tokenizer_ids
 
             # the model's vocabulary and special ids become the tokenizer's (vocab.py says why)
             tok = train_posttrain_tokenizer(self.domains, self.profile.vocab_size, self.seed)
-            cfg, kind = with_tokenizer_ids(cfg, tok), f"bpe-{tok.vocab_size} (posttrain/vocab.py)"
+            cfg, kind = with_tokenizer_ids(cfg, tok), f"bpe-{tok.vocab_size} (posttrain/domains/vocab.py)"
         model = K3ForCausalLM.build(cfg, seed=self.seed).eval()
         folder = self.out / "base"
         save(model, folder, dtype=torch.float32)
@@ -368,9 +368,9 @@ class Pipeline:
     def data(self) -> dict:
         from collections import Counter
 
-        from openk3.posttrain.budget import BudgetConfig
-        from openk3.posttrain.general import sft_dataset
-        from openk3.posttrain.records import write_jsonl
+        from openk3.posttrain.domains.budget import BudgetConfig
+        from openk3.posttrain.domains.general import sft_dataset
+        from openk3.posttrain.domains.records import write_jsonl
 
         p, tok = self.profile, self.tokenizer()
         records = []
@@ -379,7 +379,7 @@ class Pipeline:
                 records += sft_dataset(p.general_problems, self.seed, "train", tokenizer=tok, budget=BudgetConfig(),
                                        levels=p.levels)
             else:
-                from openk3.posttrain.agentic import agentic_dataset
+                from openk3.posttrain.domains.agentic import agentic_dataset
 
                 records += agentic_dataset(domain, p.agentic_problems, self.seed, "train", tokenizer=tok)
         path = self.out / "data" / "sft_train.jsonl"
@@ -391,7 +391,7 @@ class Pipeline:
         return {"file": str(path), "records": len(records), "per_cell": dict(counts), "think_tokens_mean": think}
 
     def sft(self) -> dict:
-        from openk3.posttrain.sft import SFTConfig, sft
+        from openk3.posttrain.trainers.sft import SFTConfig, sft
         from openk3.train.optim import OptimConfig
 
         p = self.profile
@@ -409,7 +409,7 @@ class Pipeline:
 
     def teacher(self, cell: str) -> dict:
         from openk3.checkpoint.load import resolve_checkpoint
-        from openk3.posttrain.rl import RLConfig, rl
+        from openk3.posttrain.trainers.rl import RLConfig, rl
 
         domain, effort = cell.split("/")
         k = CHAIN.index(effort)
@@ -433,7 +433,7 @@ class Pipeline:
 
     def mopd(self) -> dict:
         from openk3.checkpoint.load import resolve_checkpoint
-        from openk3.posttrain.mopd import MOPDConfig, distill
+        from openk3.posttrain.trainers.mopd import MOPDConfig, distill
 
         p = self.profile
         cfg = MOPDConfig(student=str(resolve_checkpoint(self.out / "sft")), teachers=self.teachers(),
@@ -459,7 +459,7 @@ class Pipeline:
         return {"argv": ["openk3", "merge", *argv]}  # the same merge as a command, for the record
 
     def eval(self) -> dict:
-        from openk3.posttrain.report import evaluate_models
+        from openk3.posttrain.evaluation.report import evaluate_models
 
         p = self.profile
         models = {"sft": self.out / "sft", "student": self.out / "student", "merged": self.out / "merged",

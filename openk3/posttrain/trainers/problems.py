@@ -22,9 +22,9 @@ from __future__ import annotations
 import random
 
 from openk3.chat import THINKING_EFFORTS, encode_segments, render
-from openk3.posttrain.budget import BudgetConfig, annealed_budget
-from openk3.posttrain.records import DOMAINS, SPLITS, render_request
-from openk3.posttrain.rollout import Problem
+from openk3.posttrain.domains.budget import BudgetConfig, annealed_budget
+from openk3.posttrain.domains.records import DOMAINS, SPLITS, render_request
+from openk3.posttrain.trainers.rollout import Problem
 from openk3.tokenizer.files import tokenizer_fingerprint
 
 DIFFICULTIES = (1, 2, 3)
@@ -35,7 +35,7 @@ _REFERENCE: dict[tuple[str, str], int] = {}
 
 
 def _general_score(verifier: dict):
-    from openk3.posttrain.general import score
+    from openk3.posttrain.domains.general import score
 
     def task_reward(turn: dict) -> float:
         message = turn["message"]
@@ -50,7 +50,7 @@ class ProblemSource:
     def __init__(self, domain: str, effort: str, tokenizer, *, split: str = "train", seed: int = 0,
                  budget: BudgetConfig | None = None, budget_from: str | None = None, max_turns: int = 8,
                  sandbox_options: dict | None = None, levels=None) -> None:
-        from openk3.posttrain.general import check_levels
+        from openk3.posttrain.domains.general import check_levels
 
         if domain not in DOMAINS:
             raise ValueError(f"rl domain must be one of {list(DOMAINS)}, got {domain!r}")
@@ -94,7 +94,7 @@ class ProblemSource:
     # ---- domains -------------------------------------------------------------------------------------
 
     def _general(self, k: int, seed: int, step: int, total_steps: int) -> Problem:
-        from openk3.posttrain.general import FAMILIES, generate, to_records
+        from openk3.posttrain.domains.general import FAMILIES, generate, to_records
 
         families = sorted(FAMILIES)
         level = None if self.levels is None else random.Random(f"level|{seed}").choice(self.levels)
@@ -112,9 +112,9 @@ class ProblemSource:
     def _agentic(self, k: int, seed: int, step: int, total_steps: int) -> Problem:
         from openk3.agent import SandboxEnv
         from openk3.agent.tasks import generate
-        from openk3.posttrain.agentic import DOMAINS as FAMILIES
-        from openk3.posttrain.agentic import act
-        from openk3.posttrain.records import think_tokens
+        from openk3.posttrain.domains.agentic import DOMAINS as FAMILIES
+        from openk3.posttrain.domains.agentic import act
+        from openk3.posttrain.domains.records import think_tokens
 
         families = FAMILIES[self.domain]
         task = generate(families[k % len(families)], seed, DIFFICULTIES[k // len(families) % len(DIFFICULTIES)],

@@ -30,10 +30,16 @@ import random
 from openk3.agent import SandboxEnv
 from openk3.agent.tasks import Task, generate
 from openk3.chat import THINKING_EFFORTS
-
-from .agentic_traces import EXPERTS
-from .budget import B_FLOOR, think_budget
-from .records import SPLITS, byte_tokenizer, render_sha256, roundtrip_problems, think_tokens, validate_record
+from openk3.posttrain.domains.budget import B_FLOOR, think_budget
+from openk3.posttrain.domains.records import (
+    SPLITS,
+    byte_tokenizer,
+    render_sha256,
+    roundtrip_problems,
+    think_tokens,
+    validate_record,
+)
+from openk3.posttrain.domains.traces import EXPERTS
 
 log = logging.getLogger(__name__)
 

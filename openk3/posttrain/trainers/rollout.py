@@ -39,7 +39,7 @@ from typing import Any
 from openk3.chat import CLOSE, OPEN, SEP, parse_tokens
 from openk3.chat.parse import marker_ids_of
 from openk3.infer.sample import MIN_TEMPERATURE, SamplingParams
-from openk3.posttrain.budget import OVER_BUDGET_REWARD, budget_reward, should_stop
+from openk3.posttrain.domains.budget import OVER_BUDGET_REWARD, budget_reward, should_stop
 
 #: The per-turn cap on tokens after the think channel closes (response and tool calls): generous (an
 #: answer needs far fewer), so hitting it means the model is padding or looping (background §3.3).

@@ -38,7 +38,7 @@ from openk3.chat import (
     render,
 )
 from openk3.fsutil import parse_json, write_atomic
-from openk3.posttrain.budget import BudgetConfig
+from openk3.posttrain.domains.budget import BudgetConfig
 
 DOMAINS = ("general", "agent", "coding")
 SPLITS = ("train", "test", "heldout")

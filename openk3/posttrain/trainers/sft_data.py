@@ -5,7 +5,7 @@
     batch = loader.next()     # {"input_ids", "labels", "seg"}, each [B, T]
 
 Lines: one JSON object each, in either shape
-  - a post-training record (`openk3.posttrain.records`; recognised by its "domain" or "effort" field),
+  - a post-training record (`openk3.posttrain.domains.records`; recognised by its "domain" or "effort" field),
     checked by `validate_record` and rendered by `render_request` (its messages, tools and effort); only
     the "split"s asked for are read (default train), the others are counted as skipped;
   - a plain OpenAI chat line: "messages", optional "tools", and the renderer's thinking options
@@ -49,11 +49,11 @@ import numpy as np
 import torch
 
 from openk3.ops.loss import IGNORE_INDEX
+from openk3.posttrain.domains.records import SPLITS
 
 OVERFLOW = ("drop", "truncate")
 PACKING = ("best_fit", "next_fit")
 LEGACY_PACKING = "next_fit"  # what runs saved before the packing option packed
-SPLITS = ("train", "test", "heldout")  # = openk3.posttrain.records.SPLITS, which is imported only to read records
 #: Request keys a plain chat line may carry through to the renderer.
 CHAT_OPTIONS = ("tools", "thinking_effort", "reasoning_effort", "thinking", "enable_thinking")
 
@@ -110,7 +110,7 @@ def parse_line(text: str, where: str, splits: tuple[str, ...] = ("train",)) -> t
     if not isinstance(obj, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     if "domain" in obj or "effort" in obj:  # a post-training record: its own format's checks and rendering
-        from openk3.posttrain.records import render_request, validate_record
+        from openk3.posttrain.domains.records import render_request, validate_record
 
         try:
             validate_record(obj)

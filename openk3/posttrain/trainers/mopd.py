@@ -48,11 +48,11 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain import losses
-from openk3.posttrain.records import DOMAINS, SPLITS
-from openk3.posttrain.rl import make_batch, masked_mean, policy_backward, token_logprobs
-from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
-from openk3.posttrain.run import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.domains.records import DOMAINS, SPLITS
+from openk3.posttrain.trainers import losses
+from openk3.posttrain.trainers.onpolicy import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, token_logprobs
+from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
 
 CONFIG_FILE = "mopd_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
@@ -145,7 +145,7 @@ class MOPDConfig:
         object.__setattr__(self, "cells", cells)
         if self.split not in SPLITS:
             raise bad("split", f"one of {list(SPLITS)}")
-        from openk3.posttrain.general import check_levels
+        from openk3.posttrain.domains.general import check_levels
 
         object.__setattr__(self, "levels", check_levels(self.levels, "mopd levels"))
         for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("ppo_epochs", 1),
@@ -353,7 +353,7 @@ def _teacher_cells_changed(saved: MOPDConfig, cfg: MOPDConfig) -> list[str]:
 
 
 def _sources(cfg: MOPDConfig, tok, sandbox_options: dict | None) -> dict:
-    from openk3.posttrain.rl_problems import ProblemSource
+    from openk3.posttrain.trainers.problems import ProblemSource
 
     sources = {}
     for cell in cfg.cells:

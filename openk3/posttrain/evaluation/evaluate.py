@@ -2,7 +2,7 @@
 
     M = evaluate("runs/student", n_per_cell=64, samples=4)          # {domain: {effort: cell metrics}}
 
-The report over several models (report.json, report.md, the plots) is `openk3.posttrain.report`.
+The report over several models (report.json, report.md, the plots) is `openk3.posttrain.evaluation.report`.
 
 A cell (d, e) draws `n_per_cell` problems of domain d from `rl_problems.ProblemSource` (the RL problems, on
 the `test` split by default; the same problems for every model and every effort, since the draw depends on
@@ -38,10 +38,10 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 
 from openk3.chat import CLOSE, SEP, THINKING_EFFORTS
-from openk3.posttrain.budget import BudgetConfig
-from openk3.posttrain.records import DOMAINS, SPLITS
-from openk3.posttrain.rl_problems import ProblemSource
-from openk3.posttrain.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
+from openk3.posttrain.domains.budget import BudgetConfig
+from openk3.posttrain.domains.records import DOMAINS, SPLITS
+from openk3.posttrain.trainers.problems import ProblemSource
+from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
 
 #: Every cell, as "domain/effort" (the order of the report's tables and of the teachers' keys).
 CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from openk3.chart import new_figure, save_png
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain.records import DOMAINS
+from openk3.posttrain.domains.records import DOMAINS
 
 #: The metrics drawn from an RL teacher's metrics.jsonl (`posttrain.rl`), in panel order.
 TEACHER_KEYS = ("reward", "over_budget_rate", "think_mean", "entropy", "zero_variance_frac", "mismatch_kl")
@@ -38,7 +38,7 @@ _DPI = 110
 
 def _series(models: dict) -> list[tuple[str, dict]]:
     """(label, M) per line: the single models, then "teachers" = each teacher's own cell only."""
-    from openk3.posttrain.evaluate import model_rows
+    from openk3.posttrain.evaluation.evaluate import model_rows
 
     rows = [(label, m) for label, m in model_rows(models) if not label.startswith("teacher ")]
     teachers = models.get("teachers", {})
@@ -145,7 +145,7 @@ def gap_closed(models: dict) -> dict[str, dict[str, float]]:
 def recovery(models: dict, path: str | os.PathLike) -> bool:
     """The gap-closed bars ("n/a" where undefined); False (nothing written) when no model shares a cell with
     SFT and that cell's teacher."""
-    from openk3.posttrain.evaluate import CELLS
+    from openk3.posttrain.evaluation.evaluate import CELLS
 
     gaps = gap_closed(models)
     cells = [c for c in CELLS if any(c in g for g in gaps.values())]

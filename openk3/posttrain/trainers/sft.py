@@ -4,7 +4,7 @@
 
 The loop is pretraining's (`openk3.train.trainer.Trainer`: Muon + AdamW, warmup + cosine, Quantile
 Balancing, gradient clipping, token-summed CE over labelled tokens) over `SFTLoader` batches, whose
-labels are the renderer's assistant-channel mask (`openk3.posttrain.sft_data`). Run folder, as for
+labels are the renderer's assistant-channel mask (`openk3.posttrain.trainers.sft_data`). Run folder, as for
 `openk3 train`:
     sft_config.json              the config in force (`base` and `data` as absolute paths)
     sft_config_history.jsonl     one line per resume that changed the config: step, changes, previous config
@@ -43,7 +43,7 @@ import torch
 
 from openk3.checkpoint.steps import save_checkpoint
 from openk3.fsutil import read_json, write_atomic
-from openk3.posttrain.sft_data import (
+from openk3.posttrain.trainers.sft_data import (
     LEGACY_PACKING,
     OVERFLOW,
     PACKING,
@@ -72,11 +72,11 @@ class SFTConfig(LoopConfig):
     SFT's defaults, plus the base model and the data."""
 
     base: str = ""  # checkpoint folder or training run folder (its latest checkpoint)
-    data: tuple[str, ...] = ()  # JSONL files (openk3.posttrain.sft_data)
+    data: tuple[str, ...] = ()  # JSONL files (openk3.posttrain.trainers.sft_data)
     val_data: tuple[str, ...] = ()  # JSONL files scored at each eval; empty: no evaluation
     epochs: int = 2  # background §3.4: 2 epochs; used when max_steps is None
     overflow: str = "drop"  # conversations longer than seq_len: "drop" (counted) or "truncate"
-    packing: str = "best_fit"  # conversations into rows: "best_fit" or "next_fit" (openk3.posttrain.sft_data.pack)
+    packing: str = "best_fit"  # conversations into rows: "best_fit" or "next_fit" (`sft_data.pack`)
     splits: tuple[str, ...] = ("train",)  # record splits read from the data (val_data: all splits)
     # the loop's defaults for fine-tuning
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))

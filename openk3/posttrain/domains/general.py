@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from itertools import zip_longest
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain.budget import BudgetConfig
-from openk3.posttrain.records import SPLITS, byte_tokenizer, fill_budgets, reference_problems
+from openk3.posttrain.domains.budget import BudgetConfig
+from openk3.posttrain.domains.records import SPLITS, byte_tokenizer, fill_budgets, reference_problems
 
 GENERATOR_VERSION = 1
 LEVELS = (1, 2, 3)
@@ -45,7 +45,10 @@ CLAIMS = re.compile(r"\b(sentences?|here (is|are)|as requested|the (list|answer|
 
 
 @dataclass(frozen=True)
-class Problem:
+class GeneralTask:
+    """One generated problem of the `general` domain with its reference response, verifier and think traces
+    (a rollout samples from a `trainers.rollout.Problem` made of it, `trainers.problems`)."""
+
     family: str
     template: str
     split: str
@@ -319,7 +322,7 @@ def split_of(prompt: str) -> str:
     return "test" if int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % 10 < TEST_BUCKETS else "train"
 
 
-def generate(family: str, seed: int, split: str = "train", level: int | None = None) -> Problem:
+def generate(family: str, seed: int, split: str = "train", level: int | None = None) -> GeneralTask:
     """One problem of `family` in `split`; level None draws one of LEVELS from the seed."""
     for name, value, allowed in (("family", family, list(FAMILIES)), ("split", split, list(SPLITS)),
                                  ("level", level, [None, *LEVELS])):
@@ -333,7 +336,7 @@ def generate(family: str, seed: int, split: str = "train", level: int | None = N
         out = build(rng, lvl, template)
         if split == "heldout" or split_of(out["prompt"]) == split:
             verifier = out.get("verifier") or {"kind": "exact", "answer": out["answer"]}
-            return Problem(family, template, split, seed, lvl, out["difficulty"], out["prompt"], out["answer"],
+            return GeneralTask(family, template, split, seed, lvl, out["difficulty"], out["prompt"], out["answer"],
                            verifier, out["think"])
     raise AssertionError(f"{family}: no {split} instance in {MAX_ATTEMPTS} attempts (seed {seed})")
 
@@ -386,7 +389,7 @@ def score(verifier: dict, response) -> float:
     return sum(_rule_met(rule, text, obj) for rule in verifier["rules"]) / len(verifier["rules"])
 
 
-def to_records(problem: Problem, tokenizer=None, budget: BudgetConfig | None = None) -> list[dict]:
+def to_records(problem: GeneralTask, tokenizer=None, budget: BudgetConfig | None = None) -> list[dict]:
     """The problem at each effort (low, high, max) as records of the shared format, budgets filled in."""
     records = [{"id": f"general/{problem.family}/{problem.split}/{problem.seed}/l{problem.level}/{effort}",
                 "domain": "general", "effort": effort, "family": problem.family, "template": problem.template,

@@ -21,7 +21,7 @@ import random
 import re
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain.records import byte_tokenizer, render_request
+from openk3.posttrain.domains.records import byte_tokenizer, render_request
 
 #: corpus sizes per domain (measured: 2,048 ids need the three domains; general alone supports ~1,100)
 GENERAL_PROBLEMS = 60
@@ -40,14 +40,14 @@ def tokenizer_corpus(domains: tuple[str, ...], seed: int, *, general_problems: i
     rng = random.Random(f"tokenizer|{seed}")
     docs: list[str] = []
     if "general" in domains:
-        from openk3.posttrain.general import sft_dataset
+        from openk3.posttrain.domains.general import sft_dataset
 
         docs += [_render(r) for r in sft_dataset(general_problems, rng.randrange(2 ** 31), "train")]
     agentic = [d for d in domains if d != "general"]
     if agentic:
         from openk3.agent.tasks import generate
-        from openk3.posttrain.agentic import DOMAINS as FAMILIES
-        from openk3.posttrain.agentic import act
+        from openk3.posttrain.domains.agentic import DOMAINS as FAMILIES
+        from openk3.posttrain.domains.agentic import act
 
         for domain in agentic:
             for family in FAMILIES[domain]:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from openk3.chat import THINKING_EFFORTS
 from openk3.fsutil import read_json, write_atomic
-from openk3.posttrain.evaluate import CELLS, MIN_N, MODEL_KEYS, evaluate, model_rows, parse_cells
-from openk3.posttrain.records import DOMAINS
+from openk3.posttrain.domains.records import DOMAINS
+from openk3.posttrain.evaluation.evaluate import CELLS, MIN_N, MODEL_KEYS, evaluate, model_rows, parse_cells
 
 
 def _cell(m: dict, domain: str, effort: str) -> dict | None:
@@ -192,7 +192,7 @@ def write_report(models: dict, checkpoints: dict, out_dir: str | os.PathLike, *,
     report = {"models": models, "checkpoints": checkpoints, **({"settings": settings} if settings else {})}
     written: list[str] = []
     if plots:
-        from openk3.posttrain.plots import write_plots
+        from openk3.posttrain.evaluation.plots import write_plots
 
         written = write_plots(models, out, teacher_metrics=teacher_metrics, mopd_metrics=mopd_metrics)
     write_atomic(out / "report.json", (json.dumps(report, indent=1) + "\n").encode())
@@ -214,8 +214,8 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
     Progress as "[eval] ..." lines."""
     from openk3.checkpoint.load import resolve_checkpoint
     from openk3.log import reporter
-    from openk3.posttrain.budget import B_FLOOR, BudgetConfig
-    from openk3.posttrain.rollout import RESPONSE_CAP
+    from openk3.posttrain.domains.budget import B_FLOOR, BudgetConfig
+    from openk3.posttrain.trainers.rollout import RESPONSE_CAP
 
     if "teachers" in models:
         raise ValueError("--models: 'teachers' is the report's group of the nine; name a teacher by its cell "

@@ -39,12 +39,12 @@ from typing import Any
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain import losses
-from openk3.posttrain.budget import B_FLOOR, BudgetConfig
-from openk3.posttrain.records import DOMAINS, SPLITS
-from openk3.posttrain.rl_problems import ProblemSource
-from openk3.posttrain.rollout import RESPONSE_CAP, RolloutConfig, rollout
-from openk3.posttrain.run import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.domains.budget import B_FLOOR, BudgetConfig
+from openk3.posttrain.domains.records import DOMAINS, SPLITS
+from openk3.posttrain.trainers import losses
+from openk3.posttrain.trainers.onpolicy import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.trainers.problems import ProblemSource
+from openk3.posttrain.trainers.rollout import RESPONSE_CAP, RolloutConfig, rollout
 
 LOSSES = ("kimi", "grpo")
 CONFIG_FILE = "rl_config.json"
@@ -116,7 +116,7 @@ class RLConfig:
             raise bad("budget_cap", f"an integer >= max(1, b_floor = {self.b_floor}) or None")
         check_micro_tokens(self.micro_tokens, "rl")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
-        from openk3.posttrain.general import check_levels
+        from openk3.posttrain.domains.general import check_levels
 
         object.__setattr__(self, "levels", check_levels(self.levels, "rl levels"))
 
