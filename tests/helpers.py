@@ -50,3 +50,64 @@ needs_vector_inductor = pytest.mark.skipif(
     reason="torch's inductor cannot build vectorized C++ with ATEN_CPU_CAPABILITY=default (a torch bug; "
            "openk3 decodes eagerly there)")
 
+
+class Killed(Exception):
+    """What a test raises from a hook (`on_event`, `on_step`, a patched write) to stand for the process being
+    killed there: nothing after that point runs, and the next run must resume as if it never happened."""
+
+
+class ScriptedEngine:
+    """The `Engine` surface a rollout uses (add_request / step / abort / has_unfinished), emitting scripted turns
+    one token per step with log-prob -1 each (and two top entries when the request asks for log-probs).
+    `script(prompt ids, request id) -> ids` decides each request's turn; it ends at a stop id, the end of the
+    script or max_tokens. Keeps the sampling params it saw and the request ids it was asked to abort."""
+
+    def __init__(self, script, *, vocab_size: int = 512, max_model_len: int = 1 << 20):
+        self.script, self.max_model_len = script, max_model_len
+        self.cfg = type("Cfg", (), {"vocab_size": vocab_size})
+        self.reqs: dict[str, list] = {}
+        self.params: list = []
+        self.aborted: list[str] = []
+
+    def add_request(self, prompt, params, *, request_id, stop_token_ids=(), ignore_eos=False):
+        self.params.append(params)
+        self.reqs[request_id] = [list(prompt), list(self.script(list(prompt), request_id)), 0,
+                                 frozenset(stop_token_ids), params.max_tokens, bool(params.logprobs)]
+        return request_id
+
+    def abort(self, rid):
+        self.aborted.append(rid)
+        self.reqs.pop(rid, None)
+
+    def has_unfinished(self):
+        return bool(self.reqs)
+
+    def step(self):
+        from openk3.infer.engine import RequestOutput
+
+        outs = []
+        for rid, req in list(self.reqs.items()):
+            prompt, toks, k, stops, max_tokens, top = req
+            tok = toks[k]
+            req[2] = k = k + 1
+            done = tok in stops or k == len(toks) or k == max_tokens
+            outs.append(RequestOutput(rid, prompt, toks[:k], "", [tok], "", done,
+                                      "stop" if tok in stops else "length" if done else None, logprobs=None,
+                                      delta_logprobs=[(-1.0, [(tok, -1.0), (tok ^ 1, -2.0)] if top else [])]))
+            if done:
+                del self.reqs[rid]
+        return outs
+
+
+def assistant_ids(tok, prompt_messages: list[dict], message: dict, effort: str, tools: list | None = None) -> list[int]:
+    """The ids a model generates for `message` after the generation prompt of `prompt_messages` (rendered with
+    `tok`): what a scripted engine must emit for that turn."""
+    from openk3.chat import encode_segments, render
+
+    def ids(messages, prompt):
+        return encode_segments(render({"messages": messages, "tools": tools or [], "thinking_effort": effort,
+                                       "add_generation_prompt": prompt}), tok).ids
+
+    before, after = ids(prompt_messages, True), ids([*prompt_messages, message], False)
+    assert after[:len(before)] == before
+    return after[len(before):]

@@ -14,11 +14,10 @@ import math
 
 import pytest
 import torch
-from helpers import nano_cut
+from helpers import ScriptedEngine, assistant_ids, nano_cut
 
 import openk3
-from openk3.chat import CLOSE, SEP, THINKING_EFFORTS, encode_segments, render
-from openk3.infer.engine import RequestOutput
+from openk3.chat import CLOSE, SEP, THINKING_EFFORTS
 from openk3.posttrain.domains import general
 from openk3.posttrain.domains.budget import BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, byte_tokenizer
@@ -31,54 +30,9 @@ TOK = byte_tokenizer()
 CAP = 400  # the scripted evaluations' think cap: above every general budget at b_floor 16
 
 
-class FakeEngine:
-    """The `Engine` surface the rollout uses: each request gets the ids `script(prompt ids)` returns, one
-    token per step (log-prob -1; two top entries when asked for some), ending at a stop id or max_tokens.
-    Records the sampling params it saw."""
-
-    def __init__(self, script, max_model_len: int = 4096):
-        self.script, self.max_model_len = script, max_model_len
-        self.cfg = type("Cfg", (), {"vocab_size": TOK.vocab_size})
-        self.reqs: dict[str, list] = {}
-        self.params: list = []
-
-    def add_request(self, prompt, params, *, request_id, stop_token_ids=(), ignore_eos=False):
-        self.params.append(params)
-        self.reqs[request_id] = [list(prompt), list(self.script(list(prompt))), 0, frozenset(stop_token_ids),
-                                 params.max_tokens, bool(params.logprobs)]
-        return request_id
-
-    def abort(self, rid):
-        self.reqs.pop(rid, None)
-
-    def has_unfinished(self):
-        return bool(self.reqs)
-
-    def step(self):
-        outs = []
-        for rid, req in list(self.reqs.items()):
-            prompt, toks, k, stops, max_tokens, top = req
-            tok = toks[k]
-            req[2] = k = k + 1
-            done = tok in stops or k == len(toks) or k == max_tokens
-            outs.append(RequestOutput(rid, prompt, toks[:k], "", [tok], "", done,
-                                      "stop" if tok in stops else "length" if done else None,
-                                      logprobs=None,
-                                      delta_logprobs=[(-1.0, [(tok, -1.0), (tok ^ 1, -2.0)] if top else [])]))
-            if done:
-                del self.reqs[rid]
-        return outs
-
-
-def assistant_ids(prompt_messages: list[dict], message: dict, effort: str) -> list[int]:
-    """The ids a model generates for `message` after the generation prompt of `prompt_messages`."""
-    def ids(messages, prompt):
-        return encode_segments(render({"messages": messages, "tools": [], "thinking_effort": effort,
-                                       "add_generation_prompt": prompt}), TOK).ids
-
-    before, after = ids(prompt_messages, True), ids([*prompt_messages, message], False)
-    assert after[:len(before)] == before
-    return after[len(before):]
+def scripted(script) -> ScriptedEngine:
+    """An engine whose turns `script(prompt ids)` decides (the vocabulary is the byte tokenizer's)."""
+    return ScriptedEngine(lambda ids, rid: script(ids), vocab_size=TOK.vocab_size, max_model_len=4096)
 
 
 def drawn(source: ProblemSource, n_per_cell: int, batch_problems: int) -> list:
@@ -102,7 +56,7 @@ def scripted_cell(effort: str, n: int, budget: BudgetConfig, batch: int = ev.DRA
         if i == n - 1:
             think = 3 * CAP  # past the eval's think cap: stopped at CAP + 1 think tokens and scored 0
         message = {"role": "assistant", "reasoning_content": "t" * think, "content": response}
-        turns[tuple(p.prompt_ids)] = assistant_ids(meta["messages"], message, effort)
+        turns[tuple(p.prompt_ids)] = assistant_ids(TOK, meta["messages"], message, effort)
         task = 0.0 if think > CAP else general.score(meta["verifier"], response)
         assert task == 1.0 or not right or think > CAP  # the reference answer passes its own verifier
         assert think > CAP or i % 3 != 0 or think > p.budget
@@ -124,7 +78,7 @@ def test_cell_metrics_on_scripted_rollouts_are_exact():
                 pass
         raise AssertionError("a prompt the test did not script")
 
-    engine = FakeEngine(script)
+    engine = scripted(script)
     seen = []
     m = ev.evaluate_engine(engine, TOK, "general/low,general/max", n_per_cell=7, samples=2, think_cap=CAP,
                            budget=budget, batch_problems=3, on_records=lambda d, e, r: seen.append((d, e, len(r))))
@@ -157,7 +111,7 @@ def test_cell_metrics_on_scripted_rollouts_are_exact():
 def test_greedy_evaluation_asks_the_sampler_for_argmax():
     budget = BudgetConfig(b_floor=16)
     script, plan = scripted_cell("high", 2, budget)
-    engine = FakeEngine(script)
+    engine = scripted(script)
     m = ev.evaluate_engine(engine, TOK, "general/high", n_per_cell=2, temperature=0, think_cap=CAP, budget=budget)
     assert engine.params and all(p.greedy for p in engine.params)
     assert m["general"]["high"]["n"] == 2
@@ -178,8 +132,8 @@ def test_budget_forcing_cuts_thinking_at_the_budget_and_forces_the_response():
         think = {0: 500, 1: 3, 2: 500, 3: b_low}[i]  # thinking exactly B is within the budget: not forced
         answer = general.generate(p.meta["family"], p.meta["seed"], "test").answer
         response = answer if i < 2 else "no idea"
-        ids = assistant_ids(p.meta["messages"], {"role": "assistant", "reasoning_content": "t" * think,
-                                                 "content": response}, "max")
+        ids = assistant_ids(TOK, p.meta["messages"], {"role": "assistant", "reasoning_content": "t" * think,
+                                                      "content": response}, "max")
         turns[tuple(p.prompt_ids)] = ids
         plan.append((min(think, b_low), b_low, general.score(p.meta["verifier"], response), think > b_low))
     seen_prompts = []
@@ -192,7 +146,7 @@ def test_budget_forcing_cuts_thinking_at_the_budget_and_forces_the_response():
             return turn[turn.index(close[0]) + len(close):]
         return turns[tuple(ids)]
 
-    m = ev.evaluate_engine(FakeEngine(script), TOK, "general/low", n_per_cell=4, prompt_effort="max",
+    m = ev.evaluate_engine(scripted(script), TOK, "general/low", n_per_cell=4, prompt_effort="max",
                            budget_forcing=True, budget=budget)
     c = m["general"]["low"]
     assert "thinking_effort=max" in TOK.decode(seen_prompts[0])
@@ -204,7 +158,7 @@ def test_budget_forcing_cuts_thinking_at_the_budget_and_forces_the_response():
     assert plan[0][2] == 1.0 and plan[2][2] < 1.0  # a forced right answer still counts
     assert c["budget_think_tokens"] == pytest.approx(sum(b for _, b, _, _ in plan) / 4)
     with pytest.raises(ValueError, match="general domain only"):
-        ev.evaluate_engine(FakeEngine(script), TOK, "agent/low", budget_forcing=True)
+        ev.evaluate_engine(scripted(script), TOK, "agent/low", budget_forcing=True)
 
 
 def test_metric_helpers_and_cell_parsing():

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from helpers import nano_cut
+from helpers import Killed, nano_cut
 
 import openk3
 from openk3.chat import OPEN, SEP
@@ -290,9 +290,6 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(ckpts, command_run, tmp_p
     saved = MOPDConfig.from_dict(json.loads((whole / "mopd_config.json").read_text()))
     assert saved == dataclasses.replace(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN),
                                         student=saved.student, teachers=saved.teachers)  # the flags are RUN
-
-    class Killed(Exception):
-        pass
 
     def kill_at_2(step, metrics):
         if step == 2:

@@ -19,12 +19,12 @@ import math
 
 import pytest
 import torch
-from helpers import nano_cut
+from helpers import Killed, ScriptedEngine, assistant_ids, nano_cut
 
 import openk3
 from openk3.chat import CLOSE, END_OF_MSG, OPEN, SEP, encode_segments, render
 from openk3.checkpoint import runs
-from openk3.infer.engine import Engine, RequestOutput
+from openk3.infer.engine import Engine
 from openk3.posttrain.domains.budget import annealed_budget, think_budget
 from openk3.posttrain.domains.records import byte_tokenizer, think_tokens
 from openk3.posttrain.trainers import problems as rl_problems
@@ -68,52 +68,6 @@ def generated(record: dict) -> list[int]:
 
 
 # ---- a scripted stand-in for the engine ---------------------------------------------------------------
-
-
-class ScriptedEngine:
-    """The `Engine` surface the rollout uses, emitting scripted turns one token per step (log-prob -1 each)."""
-
-    def __init__(self, script, max_model_len: int = 1 << 20):
-        self.script, self.max_model_len = script, max_model_len  # script(prompt ids, request id) -> ids
-        self.cfg = type("Cfg", (), {"vocab_size": 512})
-        self.reqs: dict[str, list] = {}
-        self.aborted: list[str] = []
-
-    def add_request(self, prompt, params, *, request_id, stop_token_ids=(), ignore_eos=False):
-        turn = list(self.script(list(prompt), request_id))
-        self.reqs[request_id] = [list(prompt), turn, 0, frozenset(stop_token_ids), params.max_tokens]
-        return request_id
-
-    def abort(self, rid):
-        self.aborted.append(rid)
-        self.reqs.pop(rid, None)
-
-    def has_unfinished(self):
-        return bool(self.reqs)
-
-    def step(self):
-        outs = []
-        for rid, req in list(self.reqs.items()):
-            prompt, toks, k, stops, max_tokens = req
-            tok = toks[k]
-            req[2] = k = k + 1
-            done = tok in stops or k == len(toks) or k == max_tokens
-            outs.append(RequestOutput(rid, prompt, toks[:k], "", [tok], "", done, "stop" if tok in stops else
-                                      "length" if done else None, logprobs=None, delta_logprobs=[(-1.0, [])]))
-            if done:
-                del self.reqs[rid]
-        return outs
-
-
-def assistant_ids(prompt_messages: list[dict], message: dict, tools: list, effort: str) -> list[int]:
-    """The ids a model generates for `message` after the generation prompt of `prompt_messages`."""
-    def ids(messages, prompt):
-        return encode_segments(render({"messages": messages, "tools": tools, "thinking_effort": effort,
-                                       "add_generation_prompt": prompt}), TOK).ids
-
-    before, after = ids(prompt_messages, True), ids([*prompt_messages, message], False)
-    assert after[:len(before)] == before
-    return after[len(before):]
 
 
 # ---- rollout records ----------------------------------------------------------------------------------
@@ -183,7 +137,7 @@ def test_think_count_across_the_close_marker_and_the_response_cap():
     """Scripted turns: the online count equals records.think_tokens of the same message; the response cap
     is a format failure (reward 0) even when the think channel was within budget."""
     message = {"role": "assistant", "reasoning_content": "four", "content": "42"}
-    turn = assistant_ids([{"role": "user", "content": "q"}], message, [], "low")
+    turn = assistant_ids(TOK, [{"role": "user", "content": "q"}], message, "low")
     prompt = chat_prompt("q")
     engine = ScriptedEngine(lambda ids, rid: turn if rid.startswith("ok") else turn[:-1] + list(b"x" * 60))
     problems = [Problem("ok", prompt, budget=4, score=lambda t: float(t["message"]["content"] == "42")),
@@ -225,13 +179,13 @@ def test_multi_turn_rollout_masks_env_tokens_and_forks_per_sample():
 
     def script(ids, rid):
         if rid.endswith("/t0"):
-            return assistant_ids(obs.messages, first, obs.tools, "low")
+            return assistant_ids(TOK, obs.messages, first, "low", obs.tools)
         answer = "seven" if rid.startswith("p#0") else "six"  # sample 1 submits a wrong answer
         submit = {"id": "call_2", "type": "function",
                   "function": {"name": "Submit", "arguments": json.dumps({"answer": answer})}}
         msgs = [*obs.messages, first, {"role": "tool", "tool_call_id": "call_1", "content": "seven\n"}]
-        return assistant_ids(msgs, {"role": "assistant", "reasoning_content": "ok", "content": "",
-                                    "tool_calls": [submit]}, obs.tools, "low")
+        return assistant_ids(TOK, msgs, {"role": "assistant", "reasoning_content": "ok", "content": "",
+                                         "tool_calls": [submit]}, "low", obs.tools)
 
     try:
         before = env.ids
@@ -248,7 +202,7 @@ def test_multi_turn_rollout_masks_env_tokens_and_forks_per_sample():
                                        "add_generation_prompt": False}), TOK).ids
         assert r["token_ids"] == full[:len(r["token_ids"])]
         assert r["token_ids"][:r["prompt_len"]] == obs.prompt_ids
-        turn_ids = [assistant_ids(obs.messages, first, obs.tools, "low")]
+        turn_ids = [assistant_ids(TOK, obs.messages, first, "low", obs.tools)]
         runs, k = [], 0
         while k < len(r["gen_mask"]):
             if r["gen_mask"][k]:
@@ -403,9 +357,6 @@ def test_a_killed_run_resumes_to_the_uninterrupted_run(base, command_run, tmp_pa
     _, whole, _ = command_run
     assert RLConfig.from_dict(json.loads((whole / "rl_config.json").read_text())) == \
         RLConfig(model=str(base.resolve()), **RUN)  # the command's flags are RUN
-
-    class Killed(Exception):
-        pass
 
     def kill_at_2(step, metrics):
         if step == 2:

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import nano_cut
+from helpers import Killed, nano_cut
 
 import openk3
 from openk3.chat import encode_segments, render
@@ -329,8 +329,6 @@ def test_mxfp4_base_is_fine_tuned_and_saved_with_float_experts(base, data, tmp_p
     assert "quantization_config" not in json.dumps(config)
 
 
-class Killed(Exception):
-    pass
 
 
 def test_kill_and_resume_reproduces_the_run_exactly(ref, base, data, tmp_path, capsys):

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train_resume import BASE, Killed, ckpt, copy_run, reference_run, tiny, tiny_disk, train_losses
+from helpers import Killed
+from test_train_resume import BASE, ckpt, copy_run, reference_run, tiny, tiny_disk, train_losses
 
 import openk3
 from openk3.checkpoint import runs, steps

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Killed
 
 from openk3.checkpoint import runs, steps
 from openk3.train.config import RESUME_FREE, TrainConfig, apply_overrides
@@ -32,8 +33,6 @@ def train_losses(out: Path) -> dict[int, float]:
     return losses_by_step(read_metrics(str(out / "metrics.jsonl")))
 
 
-class Killed(Exception):
-    pass
 
 
 _REFERENCE_RUNS: dict[Path, Path] = {}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import Killed
 
 from openk3.checkpoint import runs as run_folder
 from openk3.checkpoint import steps
@@ -156,8 +157,6 @@ def test_no_resume_refuses_existing_checkpoints(run_a):
 
 # ---- kill and resume --------------------------------------------------------------------------------
 
-class Killed(Exception):
-    pass
 
 
 def test_kill_and_resume_reproduces_losses_exactly(run_a, runs, capsys):
