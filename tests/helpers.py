@@ -51,6 +51,25 @@ needs_vector_inductor = pytest.mark.skipif(
            "openk3 decodes eagerly there)")
 
 
+def perturb(model, seed: int = 1):
+    """`model` (float64) with random AttnRes pseudo-queries, norm gains, KDA decay logs and router biases, in
+    place: at init the queries are zero (uniform mixing) and the gains one, which would hide a wrong candidate
+    order or a missing gain."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_res_proj.weight"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn(b.shape, generator=g, dtype=torch.float64))
+    return model
+
+
 class Killed(Exception):
     """What a test raises from a hook (`on_event`, `on_step`, a patched write) to stand for the process being
     killed there: nothing after that point runs, and the next run must resume as if it never happened."""

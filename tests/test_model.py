@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_close
+from helpers import assert_close, perturb
 
 from openk3.config import as_kimi_linear, nano
 from openk3.model.kda import KimiDeltaAttention
@@ -22,25 +22,9 @@ from openk3.model.model import FP32_NAMES, K3ForCausalLM
 EXACT = 1e-10  # float64 relative RMS error allowed for "the same computation, reorganised"
 
 
-def _perturb(model: K3ForCausalLM, seed: int = 1) -> K3ForCausalLM:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-            elif name.endswith("A_log"):
-                p.copy_(torch.rand(p.shape, generator=g, dtype=torch.float64) * 2 - 1)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn(b.shape, generator=g, dtype=torch.float64))
-    return model
-
-
 @pytest.fixture(scope="module")
 def model64():
-    model = _perturb(K3ForCausalLM.build(nano(), dtype=torch.float64, seed=0))
+    model = perturb(K3ForCausalLM.build(nano(), dtype=torch.float64, seed=0))
     cfg = model.config
     # the preset covers every structural feature these tests rely on
     assert cfg.mla_layers == [3, 7, 8] and cfg.attn_res_block_size == 3

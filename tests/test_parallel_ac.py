@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import nano_cut
+from helpers import nano_cut, perturb
 
 from openk3.model.model import K3ForCausalLM
 from openk3.parallel.ac import apply_activation_checkpointing, checkpointed
@@ -18,20 +18,11 @@ B, T = 2, 13  # T odd and below KDA's chunk: the padded chunk path
 
 
 def _model(attn_res: bool = True, layers: int = 6) -> K3ForCausalLM:
-    """nano cut to `layers` (KDA + MLA, dense + MoE; two AttnRes blocks at 6), with random AttnRes pseudo-queries
-    and norm gains: at init the queries are zero (uniform mixing), which would hide a wrong candidate order."""
+    """nano cut to `layers` (KDA + MLA, dense + MoE; two AttnRes blocks at 6), perturbed (`helpers.perturb`)."""
     cfg = nano_cut(layers)
     if not attn_res:
         cfg = cfg.replace(attn_res_block_size=None)
-    model = K3ForCausalLM.build(cfg, dtype=torch.float64, seed=0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("_res_proj.weight"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g, dtype=torch.float64))
-    return model
+    return perturb(K3ForCausalLM.build(cfg, dtype=torch.float64, seed=0))
 
 
 def _ids(vocab: int, seed: int = 0) -> torch.Tensor:

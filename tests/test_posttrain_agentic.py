@@ -1,4 +1,4 @@
-"""The `agent` and `coding` domains' SFT trajectories (openk3/posttrain/domains/agentic.py, agentic_traces.py).
+"""The `agent` and `coding` domains' SFT trajectories (openk3/posttrain/domains/agentic.py, traces.py).
 
 The experts act in the real sandbox, so these tests need one; they skip with the reason where
 `openk3.agent.unavailable_reason()` names a missing piece. The datasets are built once per module, small

@@ -6,7 +6,14 @@
 See docs/chat-format.md.
 """
 
-from openk3.chat.parse import PROBLEM_CODES, StreamParser, marker_ids_of, parse_completion, parse_tokens
+from openk3.chat.lexer import token_pieces
+from openk3.chat.parse import (
+    PROBLEM_CODES,
+    StreamParser,
+    marker_ids_of,
+    parse_completion,
+    parse_tokens,
+)
 from openk3.chat.xtml import (
     CLOSE,
     DEFAULT_THINKING_EFFORT,
@@ -26,5 +33,5 @@ from openk3.chat.xtml import (
 __all__ = [
     "CLOSE", "DEFAULT_THINKING_EFFORT", "END_OF_MSG", "OPEN", "PROBLEM_CODES", "SEP", "THINKING_EFFORTS",
     "Encoded", "Segment", "StreamParser", "encode_segments", "generation_prompt", "marker_ids_of",
-    "parse_completion", "parse_tokens", "render", "render_text", "resolve_thinking",
+    "parse_completion", "parse_tokens", "render", "render_text", "resolve_thinking", "token_pieces",
 ]

@@ -1,10 +1,11 @@
 """Text mode of the XTML parser (`openk3.chat.parse`): a lexer that cuts control markers out of plain text
 fed in arbitrary chunks, and the sinks (reasoning, content, argument values) that never let text joined
-across dropped protocol spell a marker again."""
+across dropped protocol spell a marker again. For token ids, `token_pieces` does the lexer's work: markers
+by id, the text between them decoded."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from openk3.chat.xtml import MARKERS
@@ -106,3 +107,20 @@ class Sink:
         if text:
             self.tail = (self.tail + text)[-_TAIL:]
             self._write(text)
+
+
+def token_pieces(ids: Sequence[int], tokenizer: Any, markers: dict[int, str]) -> list[tuple[int, str]]:
+    """(id, text) pairs for `parse_tokens`: each marker id alone, runs of other ids decoded together (a byte-level
+    tokenizer splits multi-byte characters across ids, so decoding them one by one would garble them)."""
+    out: list[tuple[int, str]] = []
+    run: list[int] = []
+    for token_id in [*ids, None]:
+        if token_id is not None and token_id not in markers:
+            run.append(token_id)
+            continue
+        if run:
+            out.append((run[0], tokenizer.decode(run)))
+            run = []
+        if token_id is not None:
+            out.append((token_id, markers[token_id]))
+    return out

@@ -6,12 +6,14 @@ The checkpoints themselves (atomic saves, finding the newest intact one, loading
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -173,3 +175,32 @@ def recover_final_eval(history: list[dict], step: int, keys: tuple[str, ...], me
         history.append({k: rec[k] for k in ("kind", "step", *keys)})
         last = step
     return last
+
+
+@dataclasses.dataclass
+class Resumed:
+    """Where a trainer's run stands as the loop starts: the step it resumed from (None: a new run), its metrics
+    log (open for appending), and the last steps it saved and evaluated (so the loop's end does neither twice)."""
+
+    step: int | None
+    log: Any
+    last_saved: int | None
+    last_eval: int | None
+
+
+def resume_run(trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
+               say: Callable[[str], None], *, write: bool = True, eval_keys: tuple[str, ...] = (),
+               recover_eval: bool = True) -> Resumed:
+    """`resume_trainer`, then the metrics log (a "resume" record when resuming; write=False: ranks that do not
+    write get a log that drops records) and `recover_final_eval` (`eval_keys`: what an eval record keeps in the
+    history; recover_eval=False: only the history's own evaluations count)."""
+    from openk3.train.loop import NO_LOG
+    from openk3.train.metrics import MetricsLog
+
+    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say, write=write)
+    log = MetricsLog(str(metrics_path)) if write else NO_LOG
+    if resumed_from is not None:
+        log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
+    last_eval = recover_final_eval(trainer.history, trainer.step, eval_keys,
+                                   metrics_path if resumed_from is not None and recover_eval else None)
+    return Resumed(resumed_from, log, trainer.step if ckpt is not None else None, last_eval)

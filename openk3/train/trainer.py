@@ -1,4 +1,5 @@
-"""The pretraining loop: `train(cfg, out_dir)` sets a run up (or resumes it) and drives a `Trainer`.
+"""Pretraining: `train(cfg, out_dir)` sets a run up (or resumes it) and hands a `PretrainJob` (the `Trainer`'s
+step, evaluation, checkpoints) to the run loop (`openk3.train.loop`).
 
     summary = train(TrainConfig(model=preset("nano"), max_steps=200), "runs/nano")
 
@@ -10,7 +11,7 @@ Run folder:
     loss.png                 train/val loss, redrawn at each eval, checkpoint and the end (when there is news)
     checkpoints/step_N/      release-format fp32 weights + tokenizer + trainer_state.pt; `latest`
 
-`Trainer` is the loop as a function of (model, batches, optimizer set, schedule): `batches` is any
+`Trainer` is one step as a function of (model, batches, optimizer set, schedule): `batches` is any
 object with `next() -> {"input_ids", "labels", "seg"}` (labels -100 where nothing is learned) and
 `state_dict()`/`load_state_dict()`, so SFT swaps in a loader that masks prompts, and a distributed run
 swaps in a rank-sharded one, without touching the step. The loss is the token-summed cross-entropy
@@ -51,8 +52,8 @@ from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.tokenizer.files import tokenizer_files
 from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
 from openk3.train.config import LoopConfig, TrainConfig
-from openk3.train.loop import NO_LOG, Cadence, EventHook, Job, run_loop
-from openk3.train.metrics import MetricsLog, losses_by_step, mfu, peak_flops, plot_losses
+from openk3.train.loop import Cadence, EventHook, Job, run_loop
+from openk3.train.metrics import losses_by_step, mfu, peak_flops, plot_losses
 from openk3.train.optim import OptimizerSet, build_optimizer
 from openk3.train.qk_clip import QKClipRecorder, qk_clip_
 from openk3.train.run_tokenizer import find_tokenizer, get_tokenizer, with_tokenizer_ids
@@ -62,9 +63,8 @@ from openk3.train.space import cache_bytes, check_free_space, checkpoint_bytes, 
 from openk3.train.state import (
     open_run_folder,
     record_config,
-    recover_final_eval,
     restart_changes,
-    resume_trainer,
+    resume_run,
     rng_state,
     set_rng_state,
     settings_changes,
@@ -461,28 +461,24 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
         f"(train), {threads} thread(s){auto}{ranks}, {cfg.dtype}; {cfg.max_steps} steps of {cfg.tokens_per_step:,} "
         "tokens")
 
-    metrics_path = out / "metrics.jsonl"
-    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say, write=main)
+    # (a multi-process resume keeps the history it saved: its ranks must run the same evaluations)
+    resumed = resume_run(trainer, ckpt, saved, saved_weights, out / "metrics.jsonl", say, write=main,
+                         eval_keys=("val_loss", "val_bpb"), recover_eval=not mesh.distributed)
     saved_weights = None  # copied into `model`: do not hold a second copy through training
-    log = MetricsLog(str(metrics_path)) if main else NO_LOG
-    if resumed_from is not None:
-        log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
     extra = tokenizer_files(tok_dir)
 
     def empty_copy() -> nn.Module:  # what `gathered_model` fills with the whole tensors on rank 0
         return K3ForCausalLM.build(cfg.model, device="cpu", seed=cfg.seed)
 
     job = PretrainJob(trainer, loader, ds.val, cfg, out, mesh, tuner=tuner, extra=extra, empty_copy=empty_copy)
-    last_eval = recover_final_eval(trainer.history, trainer.step, ("val_loss", "val_bpb"),
-                                   metrics_path if resumed_from is not None and not mesh.distributed else None)
-    run_loop(job, Cadence(cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), log, report=report,
-             progress=progress, on_event=on_event if main else None,
-             last_saved=trainer.step if ckpt is not None else None, last_eval=last_eval)
+    run_loop(job, Cadence(cfg.max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), resumed.log, report=report,
+             progress=progress, on_event=on_event if main else None, last_saved=resumed.last_saved,
+             last_eval=resumed.last_eval)
 
     final_eval = next(h for h in reversed(trainer.history) if h["kind"] == "eval")
     train_losses = losses_by_step(trainer.history)
     summary = {"out_dir": str(out), "steps": trainer.step, "tokens": trainer.tokens, "elapsed": trainer.elapsed,
-               "resumed_from": resumed_from, "final_loss": train_losses.get(trainer.step),
+               "resumed_from": resumed.step, "final_loss": train_losses.get(trainer.step),
                "val_loss": final_eval["val_loss"], "val_bpb": final_eval["val_bpb"],
                "checkpoint": str(find_latest(out)), "vocab_size": tok.vocab_size, "samples": []}
     say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; validation "

@@ -6,7 +6,7 @@
 
 Each problem is a task of `openk3.agent.tasks` (generated from a seed; train/test/heldout as the family
 splits them; multi_hop and implement_spec are families there too). For every problem the expert of
-its family (agentic_traces.py) plays one episode per effort (low, high, max) through `SandboxEnv`, so the tool
+its family (traces.py) plays one episode per effort (low, high, max) through `SandboxEnv`, so the tool
 messages are what the sandbox really returned and the reward is the task's own verifier. About
 `recovery_rate` of the episodes are recovery episodes: a scripted mistake, its error observed, then the fix.
 

@@ -36,6 +36,7 @@ from openk3.chat import (
     marker_ids_of,
     parse_tokens,
     render,
+    token_pieces,
 )
 from openk3.fsutil import parse_json, write_atomic
 from openk3.posttrain.domains.budget import BudgetConfig
@@ -206,23 +207,6 @@ def render_sha256(record: dict, tokenizer) -> str:
     return hashlib.sha256(",".join(map(str, render_record(record, tokenizer).ids)).encode()).hexdigest()
 
 
-def _pieces(ids: list[int], tokenizer, markers: dict[int, str]) -> list[tuple[int, str]]:
-    """(id, text) for the parser: markers one by one, runs of other ids decoded together (a byte-level
-    tokenizer splits multi-byte characters across ids, so decoding them one by one would garble them)."""
-    out: list[tuple[int, str]] = []
-    run: list[int] = []
-    for token_id in [*ids, None]:
-        if token_id is not None and token_id not in markers:
-            run.append(token_id)
-            continue
-        if run:
-            out.append((run[0], tokenizer.decode(run)))
-            run = []
-        if token_id is not None:
-            out.append((token_id, markers[token_id]))
-    return out
-
-
 def _comparable(msg: dict) -> tuple:
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"] or "{}"))
              for c in msg.get("tool_calls") or []]
@@ -245,7 +229,7 @@ def roundtrip_problems(record: dict, tokenizer) -> list[str]:
         if full[:len(prompt)] != prompt:
             problems.append(f"messages[{k}]: the generation prompt is not a prefix of the rendered turn")
             continue
-        parsed = parse_tokens(_pieces(full[len(prompt):], tokenizer, markers), marker_ids=markers)
+        parsed = parse_tokens(token_pieces(full[len(prompt):], tokenizer, markers), marker_ids=markers)
         if parsed["problems"]:
             problems.append(f"messages[{k}]: parser problems {[p['code'] for p in parsed['problems']]}")
         if _comparable(parsed) != _comparable(msg):

@@ -4,7 +4,7 @@
 
 The report over several models (report.json, report.md, the plots) is `openk3.posttrain.evaluation.report`.
 
-A cell (d, e) draws `n_per_cell` problems of domain d from `rl_problems.ProblemSource` (the RL problems, on
+A cell (d, e) draws `n_per_cell` problems of domain d from `trainers.problems.ProblemSource` (the RL problems, on
 the `test` split by default; the same problems for every model and every effort, since the draw depends on
 (domain, split, seed) only), renders them with effort e's system message and samples `samples` trajectories
 per problem through the inference engine (`rollout.rollout`: agent and coding turns run in the sandbox).

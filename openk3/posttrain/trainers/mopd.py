@@ -5,7 +5,7 @@ stage 3; background §1.2, §2.1, §3.6, §5.4).
 
 Each step:
 1. draw `prompts_per_step` cells uniformly over `cells` (deterministic in (seed, step)), then for each cell
-   its problems (`rl_problems.ProblemSource` of that domain and effort: the effort's system message is in
+   its problems (`trainers.problems.ProblemSource` of that domain and effort: the effort's system message is in
    the prompt, the teacher sees it too). No think budget applies (the teachers encode them): a problem's
    budget is `think_cap` (default the context limit), a safety net whose hits are logged and rewarded 0;
 2. the student samples `group_size` trajectories per prompt on-policy through the inference `Engine`
@@ -43,14 +43,20 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from openk3.chat import THINKING_EFFORTS
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers import losses
-from openk3.posttrain.trainers.onpolicy import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.trainers.onpolicy import (
+    OnPolicyJob,
+    RunSettings,
+    check_micro_tokens,
+    drive,
+    open_run,
+    optimizer_for,
+)
 from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, token_logprobs
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
 
@@ -100,7 +106,9 @@ def read_teacher_map(teachers: str | os.PathLike | Mapping[str, str]) -> dict[st
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MOPDConfig:
+class MOPDConfig(RunSettings):
+    KIND = "mopd"
+    TUPLES = ("cells", "ratio_clip")
     student: str = ""  # the starting checkpoint (the SFT model, background §1.6)
     teachers: dict = dataclasses.field(default_factory=dict)  # cell -> checkpoint folder
     cells: tuple[str, ...] = ()  # the cells drawn from (uniformly); () = every teacher's cell
@@ -171,15 +179,6 @@ class MOPDConfig:
             raise bad("ratio_clip", "(low, high) with 0 <= low < 1 and high >= 0")
         object.__setattr__(self, "ratio_clip", (float(lo), float(hi)))
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "mopd config") -> MOPDConfig:
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown mopd settings {unknown}")
-        return cls(**{k: tuple(v) if k in ("cells", "ratio_clip") else v for k, v in d.items()})
 
 
 # ---- cells, teachers, scoring -------------------------------------------------------------------------

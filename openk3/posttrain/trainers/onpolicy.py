@@ -42,6 +42,23 @@ class RunStart:
     state: dict | None  # the trainer state to restore (None for a new run)
 
 
+class RunSettings:
+    """What RL's and MOPD's configs (frozen dataclasses) share: their JSON form, read back strictly."""
+
+    KIND = "run"  # the name in messages ("rl", "mopd")
+    TUPLES: tuple[str, ...] = ()  # fields JSON gives back as lists
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str | None = None):
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{source or cls.KIND + ' config'}: unknown {cls.KIND} settings {unknown}")
+        return cls(**{k: tuple(v) if k in cls.TUPLES and v is not None else v for k, v in d.items()})
+
+
 def check_micro_tokens(value, where: str) -> None:
     """`micro_tokens` of an RL / MOPD config: None (the whole batch at once) or an integer >= 2."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):

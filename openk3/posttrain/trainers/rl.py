@@ -3,7 +3,7 @@
     rl(RLConfig(model="runs/sft", domain="general", effort="high", steps=200), "runs/t-general-high")
 
 Each step:
-1. draw `prompts_per_step` problems of the cell (`rl_problems.ProblemSource`: deterministic in (seed, step),
+1. draw `prompts_per_step` problems of the cell (`trainers.problems.ProblemSource`: deterministic in (seed, step),
    with the step's think budget, annealed when `budget_from_effort` is set);
 2. sample `group_size` trajectories per problem through the inference `Engine` (`rollout.rollout`), which
    runs on the very modules being trained, so every step samples from the weights the last optimizer
@@ -34,7 +34,6 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -42,7 +41,14 @@ from openk3.chat import THINKING_EFFORTS
 from openk3.posttrain.domains.budget import B_FLOOR, BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers import losses
-from openk3.posttrain.trainers.onpolicy import OnPolicyJob, check_micro_tokens, drive, open_run, optimizer_for
+from openk3.posttrain.trainers.onpolicy import (
+    OnPolicyJob,
+    RunSettings,
+    check_micro_tokens,
+    drive,
+    open_run,
+    optimizer_for,
+)
 from openk3.posttrain.trainers.problems import ProblemSource
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, RolloutConfig, rollout
 
@@ -54,7 +60,8 @@ RESUMABLE_CHANGES = ("steps", "save_every", "model",  # a resume reads the run's
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RLConfig:
+class RLConfig(RunSettings):
+    KIND = "rl"
     model: str = ""  # the starting checkpoint (SFT, or the previous effort's teacher when annealing)
     domain: str = "general"
     effort: str = "high"
@@ -120,15 +127,6 @@ class RLConfig:
 
         object.__setattr__(self, "levels", check_levels(self.levels, "rl levels"))
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "rl config") -> RLConfig:
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown rl settings {unknown}")
-        return cls(**d)
 
 
 # ---- batches and log-probs ---------------------------------------------------------------------------

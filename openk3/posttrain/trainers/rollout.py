@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openk3.chat import CLOSE, OPEN, SEP, parse_tokens
+from openk3.chat.lexer import token_pieces
 from openk3.chat.parse import marker_ids_of
 from openk3.infer.sample import MIN_TEMPERATURE, SamplingParams
 from openk3.posttrain.domains.budget import OVER_BUDGET_REWARD, budget_reward, should_stop
@@ -275,17 +276,7 @@ def parse_turn(ids: Sequence[int], tokenizer, thinking: bool = True) -> dict:
     """The assistant message of one generated turn, parsed on ids (markers by id; runs of other ids are
     decoded together, since a byte-level tokenizer splits multi-byte characters across ids)."""
     markers = marker_ids_of(tokenizer)
-    pieces, run = [], []
-    for token_id in [*ids, None]:
-        if token_id is not None and token_id not in markers:
-            run.append(token_id)
-            continue
-        if run:
-            pieces.append((run[0], tokenizer.decode(run)))
-            run = []
-        if token_id is not None:
-            pieces.append((token_id, markers[token_id]))
-    return parse_tokens(pieces, thinking=thinking, marker_ids=markers)
+    return parse_tokens(token_pieces(ids, tokenizer, markers), thinking=thinking, marker_ids=markers)
 
 
 def _reward(ep: _Episode, tokenizer, over: float) -> tuple[float, dict]:

@@ -277,14 +277,12 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
     from openk3.common import resolve_device, seed_everything, setup_cpu
     from openk3.log import reporter
     from openk3.train.loop import Cadence, run_loop
-    from openk3.train.metrics import MetricsLog
     from openk3.train.run_tokenizer import with_tokenizer_ids
     from openk3.train.state import (
         open_run_folder,
         record_config,
-        recover_final_eval,
         restart_changes,
-        resume_trainer,
+        resume_run,
         settings_changes,
     )
     from openk3.train.trainer import build_trainer
@@ -337,22 +335,16 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
         f"{cfg.dtype}; {max_steps} steps of {cfg.batch_size} x {cfg.seq_len} tokens"
         + ("" if cfg.max_steps is not None else f" ({cfg.epochs} epochs)"))
 
-    metrics_path = out / "metrics.jsonl"
-    resumed_from = resume_trainer(trainer, ckpt, saved, saved_weights, metrics_path, say)
+    resumed = resume_run(trainer, ckpt, saved, saved_weights, out / "metrics.jsonl", say, eval_keys=("val_loss",),
+                         recover_eval=bool(val))
     saved_weights = None
-    log = MetricsLog(str(metrics_path))
-    if resumed_from is not None:
-        log.log({"kind": "resume", "step": resumed_from, "time": time.time()})
-    last_eval = recover_final_eval(trainer.history, trainer.step, ("val_loss",),
-                                   metrics_path if val and resumed_from is not None else None)
     job = SFTJob(trainer, loader, val, cfg, out, pad_id, device, tok_files)
-    run_loop(job, Cadence(max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), log, report=report,
-             progress=progress, on_event=on_event, last_saved=trainer.step if ckpt is not None else None,
-             last_eval=last_eval)
+    run_loop(job, Cadence(max_steps, cfg.eval_every, cfg.save_every, cfg.log_every), resumed.log, report=report,
+             progress=progress, on_event=on_event, last_saved=resumed.last_saved, last_eval=resumed.last_eval)
 
     evals = [h for h in trainer.history if h["kind"] == "eval"]
     summary = {"out_dir": str(out), "steps": trainer.step, "tokens": trainer.tokens, "elapsed": trainer.elapsed,
-               "resumed_from": resumed_from, "final_loss": losses_by_step(trainer.history).get(trainer.step),
+               "resumed_from": resumed.step, "final_loss": losses_by_step(trainer.history).get(trainer.step),
                "val_loss": evals[-1]["val_loss"] if evals else None, "checkpoint": str(find_latest(out)),
                "conversations": stats.kept, "dropped_too_long": stats.too_long, "truncated": stats.truncated}
     say(f"done: {trainer.step} steps, {trainer.tokens:,} tokens in {trainer.elapsed:.1f} s; checkpoint "
