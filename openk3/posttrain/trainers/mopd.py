@@ -47,18 +47,17 @@ from pathlib import Path
 import torch
 
 from openk3.chat import THINKING_EFFORTS
-from openk3.posttrain.domains.records import DOMAINS, SPLITS
+from openk3.posttrain.domains.records import DOMAINS
 from openk3.posttrain.trainers import losses
 from openk3.posttrain.trainers.onpolicy import (
+    OnPolicyConfig,
     OnPolicyJob,
-    RunSettings,
-    check_micro_tokens,
     drive,
     open_run,
     optimizer_for,
 )
 from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, token_logprobs
-from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, rollout
+from openk3.posttrain.trainers.rollout import Problem, RolloutConfig, rollout
 
 CONFIG_FILE = "mopd_config.json"
 #: Settings a resumed run may change (they do not alter what the finished steps computed).
@@ -106,14 +105,16 @@ def read_teacher_map(teachers: str | os.PathLike | Mapping[str, str]) -> dict[st
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MOPDConfig(RunSettings):
+class MOPDConfig(OnPolicyConfig):
+    """The on-policy section (`OnPolicyConfig`: steps, prompts and group per step, lr, sampling limits, problems,
+    seed, checkpoints, engine, memory) plus MOPD's student, teachers, cells and loss."""
+
     KIND = "mopd"
     TUPLES = ("cells", "ratio_clip")
+
     student: str = ""  # the starting checkpoint (the SFT model, background §1.6)
     teachers: dict = dataclasses.field(default_factory=dict)  # cell -> checkpoint folder
     cells: tuple[str, ...] = ()  # the cells drawn from (uniformly); () = every teacher's cell
-    steps: int = 100
-    prompts_per_step: int = 8
     group_size: int = 1  # samples per prompt; >= 2 only matters for alpha's group baseline
     # the loss (background §1.6: K3's values are unknown, these are our defaults)
     clip: float | None = 5.0  # R: A_t clipped to [-R, R]; None = no clip (the R = inf ablation)
@@ -122,25 +123,11 @@ class MOPDConfig(RunSettings):
     ratio_clip: tuple[float, float] = (0.2, 0.28)  # PPO clip (low, high) for passes after the first
     # |log pi_T - log pi_S| below this is agreement (A_t = 0), not signal: see `floor_gaps`; 0 = K3's formula
     adv_floor: float = 1e-3
-    lr: float = 1e-5
-    # sampling
-    response_cap: int = RESPONSE_CAP
     think_cap: int | None = None  # think tokens per trajectory before it is cut (None: the context limit)
-    max_turns: int = 8
-    split: str = "train"
-    levels: tuple[int, ...] | None = None  # general cells: the difficulty levels drawn (None: all)
-    # loop
-    seed: int = 0
-    grad_clip: float | None = 1.0
-    save_every: int = 10
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    micro_tokens: int | None = None  # forward/backward (and teacher scoring) in row chunks of this many tokens
 
-    def __post_init__(self) -> None:
-        def bad(field: str, rule: str) -> ValueError:
-            return ValueError(f"mopd {field} must be {rule}, got {getattr(self, field)!r}")
-
+    def check(self) -> None:
+        super().check()
+        bad = self.bad
         teachers = read_teacher_map(self.teachers) if self.teachers else {}
         object.__setattr__(self, "teachers", teachers)
         cells = tuple(self.cells) or tuple(c for c in ALL_CELLS if c in teachers)
@@ -151,26 +138,15 @@ class MOPDConfig(RunSettings):
         if len(set(cells)) != len(cells):
             raise bad("cells", "distinct cells")
         object.__setattr__(self, "cells", cells)
-        if self.split not in SPLITS:
-            raise bad("split", f"one of {list(SPLITS)}")
-        from openk3.posttrain.domains.general import check_levels
-
-        object.__setattr__(self, "levels", check_levels(self.levels, "mopd levels"))
-        for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 1), ("ppo_epochs", 1),
-                             ("response_cap", 1), ("max_turns", 1), ("save_every", 1), ("max_num_seqs", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise bad(field, f"an integer >= {least}")
+        if isinstance(self.ppo_epochs, bool) or not isinstance(self.ppo_epochs, int) or self.ppo_epochs < 1:
+            raise bad("ppo_epochs", "an integer >= 1")
         if self.think_cap is not None and (isinstance(self.think_cap, bool) or not isinstance(self.think_cap, int)
                                            or self.think_cap < 1):
             raise bad("think_cap", "an integer >= 1 or None")
         if self.clip is not None and not self.clip > 0:
             raise bad("clip", "> 0 (or None for no clip)")
-        if not self.lr > 0:
-            raise bad("lr", "> 0")
         if not self.adv_floor >= 0:
             raise bad("adv_floor", ">= 0")
-        check_micro_tokens(self.micro_tokens, "mopd")
         if self.alpha and self.group_size < 2:
             raise ValueError(f"mopd alpha={self.alpha!r} mixes an outcome advantage against the group mean: "
                              f"it needs group_size >= 2, got {self.group_size}")
@@ -178,7 +154,6 @@ class MOPDConfig(RunSettings):
         if not (0 <= lo < 1 and hi >= 0):
             raise bad("ratio_clip", "(low, high) with 0 <= low < 1 and high >= 0")
         object.__setattr__(self, "ratio_clip", (float(lo), float(hi)))
-
 
 
 # ---- cells, teachers, scoring -------------------------------------------------------------------------

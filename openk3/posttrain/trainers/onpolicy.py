@@ -21,11 +21,12 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from openk3.fsutil import read_json, write_atomic
+from openk3.posttrain.trainers.rollout import RESPONSE_CAP
 from openk3.train.loop import Job
 
 BIAS_SUFFIX = "e_score_correction_bias"
@@ -42,11 +43,55 @@ class RunStart:
     state: dict | None  # the trainer state to restore (None for a new run)
 
 
-class RunSettings:
-    """What RL's and MOPD's configs (frozen dataclasses) share: their JSON form, read back strictly."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OnPolicyConfig:
+    """The section RL's and MOPD's configs share (they inherit it; their files stay flat): how long and how wide a
+    step is, the sampling limits, which problems, and the loop's seed, optimizer, checkpoints, engine and memory.
+    Also their JSON form, read back strictly."""
 
-    KIND = "run"  # the name in messages ("rl", "mopd")
-    TUPLES: tuple[str, ...] = ()  # fields JSON gives back as lists
+    KIND: ClassVar[str] = "run"  # the name in messages ("rl", "mopd")
+    TUPLES: ClassVar[tuple[str, ...]] = ()  # fields JSON gives back as lists
+    MIN_GROUP: ClassVar[int] = 1  # the least `group_size`
+
+    steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    lr: float = 1e-5
+    # sampling
+    response_cap: int = RESPONSE_CAP
+    max_turns: int = 8
+    split: str = "train"
+    levels: tuple[int, ...] | None = None  # general: the difficulty levels drawn (None: all; the pipeline: SFT's)
+    # loop
+    seed: int = 0
+    grad_clip: float | None = 1.0
+    save_every: int = 10
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    micro_tokens: int | None = None  # forward/backward (and teacher scoring) in row chunks of this many tokens
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def bad(self, field: str, rule: str) -> ValueError:
+        return ValueError(f"{self.KIND} {field} must be {rule}, got {getattr(self, field)!r}")
+
+    def check(self) -> None:
+        """ValueError naming the first setting out of range (subclasses add theirs after these)."""
+        from openk3.posttrain.domains.general import check_levels
+        from openk3.posttrain.domains.records import SPLITS
+
+        if self.split not in SPLITS:
+            raise self.bad("split", f"one of {list(SPLITS)}")
+        object.__setattr__(self, "levels", check_levels(self.levels, f"{self.KIND} levels"))
+        for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", self.MIN_GROUP),
+                             ("response_cap", 1), ("max_turns", 1), ("save_every", 1), ("max_num_seqs", 1)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise self.bad(field, f"an integer >= {least}")
+        if not self.lr > 0:
+            raise self.bad("lr", "> 0")
+        check_micro_tokens(self.micro_tokens, self.KIND)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -39,18 +39,17 @@ import torch
 
 from openk3.chat import THINKING_EFFORTS
 from openk3.posttrain.domains.budget import B_FLOOR, BudgetConfig
-from openk3.posttrain.domains.records import DOMAINS, SPLITS
+from openk3.posttrain.domains.records import DOMAINS
 from openk3.posttrain.trainers import losses
 from openk3.posttrain.trainers.onpolicy import (
+    OnPolicyConfig,
     OnPolicyJob,
-    RunSettings,
-    check_micro_tokens,
     drive,
     open_run,
     optimizer_for,
 )
 from openk3.posttrain.trainers.problems import ProblemSource
-from openk3.posttrain.trainers.rollout import RESPONSE_CAP, RolloutConfig, rollout
+from openk3.posttrain.trainers.rollout import RolloutConfig, rollout
 
 LOSSES = ("kimi", "grpo")
 CONFIG_FILE = "rl_config.json"
@@ -60,16 +59,17 @@ RESUMABLE_CHANGES = ("steps", "save_every", "model",  # a resume reads the run's
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RLConfig(RunSettings):
+class RLConfig(OnPolicyConfig):
+    """The on-policy section (`OnPolicyConfig`: steps, prompts and group per step, lr, sampling limits, problems,
+    seed, checkpoints, engine, memory) plus RL's cell, loss and budgets."""
+
     KIND = "rl"
+    MIN_GROUP = 2  # a group baseline needs two samples
+
     model: str = ""  # the starting checkpoint (SFT, or the previous effort's teacher when annealing)
     domain: str = "general"
     effort: str = "high"
-    steps: int = 100
-    prompts_per_step: int = 8
-    group_size: int = 8
     loss: str = "kimi"
-    lr: float = 1e-5
     # kimi
     tau: float = 1.0
     # grpo
@@ -81,39 +81,24 @@ class RLConfig(RunSettings):
     is_bounds: tuple[float, float] = (0.5, 2.0)
     # sampling and budgets
     temperature: float = 1.0
-    response_cap: int = RESPONSE_CAP
-    max_turns: int = 8
     budget_from_effort: str | None = None
     anneal_fraction: float = 0.5
     b_floor: int = B_FLOOR
     budget_cap: int | None = None  # a ceiling on every budget (the think tokens a sampler can afford); None: none
-    split: str = "train"
-    levels: tuple[int, ...] | None = None  # general: the difficulty levels drawn (None: all; the pipeline: SFT's)
-    # loop
-    seed: int = 0
-    grad_clip: float | None = 1.0
-    save_every: int = 10
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    micro_tokens: int | None = None  # the trainer's forward/backward in row chunks of this many tokens (memory)
 
-    def __post_init__(self) -> None:
-        def bad(field: str, rule: str) -> ValueError:
-            return ValueError(f"rl {field} must be {rule}, got {getattr(self, field)!r}")
-
+    def check(self) -> None:
+        super().check()
+        bad = self.bad
         for field, allowed in (("domain", DOMAINS), ("effort", THINKING_EFFORTS), ("loss", LOSSES),
-                               ("split", SPLITS), ("baseline", losses.BASELINES), ("std", losses.STD_MODES),
+                               ("baseline", losses.BASELINES), ("std", losses.STD_MODES),
                                ("is_mode", losses.IS_MODES)):
             if getattr(self, field) not in allowed:
                 raise bad(field, f"one of {list(allowed)}")
         if self.budget_from_effort is not None and self.budget_from_effort not in THINKING_EFFORTS:
             raise bad("budget_from_effort", f"one of {list(THINKING_EFFORTS)} or None")
-        for field, least in (("steps", 1), ("prompts_per_step", 1), ("group_size", 2), ("response_cap", 1),
-                             ("max_turns", 1), ("b_floor", 0), ("save_every", 1), ("max_num_seqs", 1)):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise bad(field, f"an integer >= {least}")
-        for field in ("lr", "tau", "temperature"):
+        if isinstance(self.b_floor, bool) or not isinstance(self.b_floor, int) or self.b_floor < 0:
+            raise bad("b_floor", "an integer >= 0")
+        for field in ("tau", "temperature"):
             if not getattr(self, field) > 0:
                 raise bad(field, "> 0")
         if not 0 < self.anneal_fraction <= 1:
@@ -121,11 +106,7 @@ class RLConfig(RunSettings):
         if self.budget_cap is not None and (isinstance(self.budget_cap, bool) or not isinstance(self.budget_cap, int)
                                             or self.budget_cap < max(1, self.b_floor)):
             raise bad("budget_cap", f"an integer >= max(1, b_floor = {self.b_floor}) or None")
-        check_micro_tokens(self.micro_tokens, "rl")
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
-        from openk3.posttrain.domains.general import check_levels
-
-        object.__setattr__(self, "levels", check_levels(self.levels, "rl levels"))
 
 
 
