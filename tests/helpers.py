@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -73,6 +74,27 @@ def perturb(model, seed: int = 1):
 class Killed(Exception):
     """What a test raises from a hook (`on_event`, `on_step`, a patched write) to stand for the process being
     killed there: nothing after that point runs, and the next run must resume as if it never happened."""
+
+
+@contextlib.contextmanager
+def torn_write_at(monkeypatch, step: int):
+    """While active, the checkpoint of `step` dies inside its write: half a trainer_state.pt in the temp folder,
+    then `Killed` (what a SIGKILL there leaves, less the cleanup the exception path does)."""
+    from openk3.checkpoint import steps
+
+    real = steps.write_trainer_state
+
+    def torn(path, state):
+        if state["step"] == step:
+            path.write_bytes(b"half a trainer state")
+            raise Killed
+        real(path, state)
+
+    monkeypatch.setattr(steps, "write_trainer_state", torn)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(steps, "write_trainer_state", real)
 
 
 class ScriptedEngine:

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from helpers import Killed, nano_cut
+from helpers import Killed, nano_cut, torn_write_at
 
 import openk3
 from openk3.chat import OPEN, SEP
@@ -284,21 +284,18 @@ def command_run(ckpts, tmp_path_factory):
     return args, out, printed.getvalue()
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_run(ckpts, command_run, tmp_path):
+def test_a_killed_run_resumes_to_the_uninterrupted_run(ckpts, command_run, tmp_path, monkeypatch):
     teachers = str(ckpts / "teachers.json")
     _, whole, _ = command_run
     saved = MOPDConfig.from_dict(json.loads((whole / "mopd_config.json").read_text()))
     assert saved == dataclasses.replace(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN),
                                         student=saved.student, teachers=saved.teachers)  # the flags are RUN
 
-    def kill_at_2(step, metrics):
-        if step == 2:
-            raise Killed  # after step 2's metrics, before its checkpoint: resume redoes step 2
-
-    with pytest.raises(Killed):
+    seen = []
+    with pytest.raises(Killed), torn_write_at(monkeypatch, 2):  # inside step 2's checkpoint: resume redoes step 2
         distill(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN), tmp_path / "killed",
-                on_step=kill_at_2)
-    assert [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
+                on_step=lambda step, m: seen.append(step))
+    assert seen == [1, 2] and [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
     last = distill(MOPDConfig(student=str(ckpts / "student"), teachers=teachers, **RUN), tmp_path / "killed")
     assert last["step"] == 3
 

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from helpers import Killed, ScriptedEngine, assistant_ids, nano_cut
+from helpers import Killed, ScriptedEngine, assistant_ids, nano_cut, torn_write_at
 
 import openk3
 from openk3.chat import CLOSE, END_OF_MSG, OPEN, SEP, encode_segments, render
@@ -353,18 +353,14 @@ def command_run(base, tmp_path_factory):
     return args, out, printed.getvalue()
 
 
-def test_a_killed_run_resumes_to_the_uninterrupted_run(base, command_run, tmp_path):
+def test_a_killed_run_resumes_to_the_uninterrupted_run(base, command_run, tmp_path, monkeypatch):
     _, whole, _ = command_run
     assert RLConfig.from_dict(json.loads((whole / "rl_config.json").read_text())) == \
         RLConfig(model=str(base.resolve()), **RUN)  # the command's flags are RUN
-
-    def kill_at_2(step, metrics):
-        if step == 2:
-            raise Killed  # after step 2's metrics, before its checkpoint: resume redoes step 2
-
-    with pytest.raises(Killed):
-        rl(RLConfig(model=str(base), **RUN), tmp_path / "killed", on_step=kill_at_2)
-    assert [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
+    seen = []
+    with pytest.raises(Killed), torn_write_at(monkeypatch, 2):  # inside step 2's checkpoint: resume redoes step 2
+        rl(RLConfig(model=str(base), **RUN), tmp_path / "killed", on_step=lambda step, m: seen.append(step))
+    assert seen == [1, 2] and [s for s, _ in runs.list_checkpoints(tmp_path / "killed")] == [1]
     last = rl(RLConfig(model=str(base), **RUN), tmp_path / "killed")
     assert last["step"] == 3
 

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import Killed, nano_cut
+from helpers import Killed, nano_cut, torn_write_at
 
 import openk3
 from openk3.chat import encode_segments, render
@@ -331,17 +331,14 @@ def test_mxfp4_base_is_fine_tuned_and_saved_with_float_experts(base, data, tmp_p
 
 
 
-def test_kill_and_resume_reproduces_the_run_exactly(ref, base, data, tmp_path, capsys):
+def test_kill_and_resume_reproduces_the_run_exactly(ref, base, data, tmp_path, capsys, monkeypatch):
     ref_out, _ = ref
     out = tmp_path / "run"
-
-    def kill_at_step_5(kind, info):
-        if kind == "step" and info["step"] == 5:
-            raise Killed  # step 5 logged, its checkpoint never written
-
-    with pytest.raises(Killed):
-        sft(tiny(base, data), out, progress=False, on_event=kill_at_step_5)
-    assert runs.find_latest(out).name == "step_000003" and max(losses(out)) == 5
+    events = []
+    with pytest.raises(Killed), torn_write_at(monkeypatch, 6):  # inside the last checkpoint's write
+        sft(tiny(base, data), out, progress=False, on_event=lambda kind, info: events.append((kind, info["step"])))
+    assert [e for e in events if e[0] != "step"] == [("checkpoint", 3)] and events[-1] == ("step", 6)
+    assert runs.find_latest(out).name == "step_000003" and max(losses(out)) == 6
     capsys.readouterr()
     summary = sft(tiny(base, data), out, progress=False)
     assert "resuming from step 3" in capsys.readouterr().out and summary["resumed_from"] == 3

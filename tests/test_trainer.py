@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Killed
+from helpers import Killed, torn_write_at
 
 from openk3.checkpoint import runs as run_folder
 from openk3.checkpoint import steps
@@ -192,18 +192,8 @@ def test_kill_inside_checkpoint_save_resumes_from_previous(run_a, runs, monkeypa
     ref_out, _ = run_a
     out = runs / "C"
     cfg = tiny(tokenizer=str(ref_out / "tokenizer"))
-    real = steps.write_trainer_state
-
-    def torn(path, state):
-        if state["step"] == 4:
-            path.write_bytes(b"half a trainer state")  # a partial file in the temp folder, then the kill
-            raise Killed
-        real(path, state)
-
-    monkeypatch.setattr(steps, "write_trainer_state", torn)
-    with pytest.raises(Killed):
+    with pytest.raises(Killed), torn_write_at(monkeypatch, 4):  # a partial file in the temp folder, then the kill
         train(cfg, out, progress=False)
-    monkeypatch.setattr(steps, "write_trainer_state", real)
     assert run_folder.find_latest(out).name == "step_000002"
     assert not (out / "checkpoints" / "step_000004").exists()
     # a kill leaves the temp folder behind (the exception path removes it; simulate the SIGKILL case)
