@@ -13,6 +13,8 @@ and on-disk dtypes follow spec §2 exactly; docs/file-format.md is the full desc
 Saving is atomic (temp sibling folder, fsync, rename swap); loading builds the model on the meta
 device and fills it tensor by tensor from the safetensors files (peak memory ~ the model once), and
 rejects anything that does not match the config, and any NaN/inf weight, with a ValueError that names it.
+A training run's checkpoints/ folder (its `step_N` checkpoints and `latest`) is `runs.py`; writing one
+atomically and reading back the newest intact one (with the trainer's state) is `steps.py`.
 """
 
 from openk3.checkpoint.layout import LoadedFormat, mxfp4_quantization_config

@@ -1,5 +1,6 @@
-"""Training pieces: Muon + AdamW (`optim`), LR schedules (`schedule`), expert load balancing
-(`balance`), QK-Clip (`qk_clip`). The training loop composes them."""
+"""Training: Muon + AdamW (`optim`), LR schedules (`schedule`), expert load balancing (`balance`), QK-Clip
+(`qk_clip`); the run loop every trainer drives (`loop`), the run folder a trainer opens and resumes (`state`),
+configs (`config`), and pretraining (`trainer`: the step, its job, `train`)."""
 
 from openk3.train.balance import (
     RoutingRecorder,
