@@ -6,7 +6,7 @@ Per MoE layer, fp32 activations, uniform random routing, `--layers` layers' weig
 are not all hot in the cache, as in a real step), contenders alternated round by round:
 
 * mxfp4 kernel: `moe_mxfp4_cpu.experts_mxfp4` on the packed bytes (4.25 bits per weight);
-* packed torch: `quant.packed_experts.experts_packed` (dequantise each touched expert, three matmuls: the
+* packed torch: `model.packed_experts.experts_packed` (dequantise each touched expert, three matmuls: the
   path packed experts took before the kernel, and still take for long prompts);
 * float32: the same experts dequantised to float32 once, through the best float path a model would use
   (the fused float kernel of `moe_cpu.py` for small experts, else `experts_sparse`'s matmuls): what

@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with notes_on_stderr(debug):
             return module.main(args) or 0
-    except (ValueError, OSError) as e:  # expected failures: one clear line, no traceback
+    # expected failures: one clear line, no traceback (FloatingPointError: a training loss that went non-finite;
+    # the run's last checkpoint is intact)
+    except (ValueError, OSError, FloatingPointError) as e:
         if debug:
             raise
         print(f"openk3 {args.command}: error: {describe(e)}", file=sys.stderr)

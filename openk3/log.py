@@ -10,7 +10,8 @@ carry their own handler, at INFO. Progress bars (tqdm, on stderr) stay as they a
 through `tqdm.write` when tqdm is loaded, so it never tears a bar. The library's other loggers (module
 `__name__` loggers under "openk3") are notes: a command shows them as `[openk3] ...` on stderr
 (`notes_to_stderr`, used by `openk3/__main__.py`), a Python caller configures logging as it likes.
-A caller who wants the reporters elsewhere replaces or removes their handler on `logging.getLogger(REPORT)`.
+A caller who wants the reporters elsewhere replaces or removes their handler on `logging.getLogger(REPORT)`
+(and keeps them on when configuring logging: `dictConfig(..., disable_existing_loggers=False)`).
 """
 
 from __future__ import annotations
@@ -73,5 +74,5 @@ def quiet_reporter(tag: str) -> logging.Logger:
     """A reporter that says nothing: what the ranks other than 0 of a distributed run use (rank 0 speaks for
     the run)."""
     log = logging.getLogger(f"{REPORT}.quiet.{tag}")
-    log.disabled = True
+    log.setLevel(logging.CRITICAL + 1)  # (a level, not `disabled`: logging.config re-enables disabled loggers)
     return log

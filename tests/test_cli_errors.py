@@ -300,3 +300,16 @@ def test_version(capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out == f"openk3 {importlib.metadata.version('openk3')}\n"
     assert _cli("--version").stdout == f"openk3 {openk3.__version__}\n"  # the same as the source tree's
+
+
+def test_a_loss_gone_non_finite_is_one_line(capsys, monkeypatch):
+    """The run loop stops a run whose loss is NaN or inf (`FloatingPointError`, tests/test_loop.py); the command
+    says so in one line, its last checkpoint intact."""
+    import openk3.commands.rl as rl_command
+
+    def diverged(args):
+        raise FloatingPointError("loss is nan at step 3")
+
+    monkeypatch.setattr(rl_command, "main", diverged)
+    line = one_error_line(capsys, ["rl", "--model", "m", "--domain", "general", "--effort", "low", "--out", "o"], "rl")
+    assert line == "openk3 rl: error: loss is nan at step 3"

@@ -2,7 +2,8 @@
 in docs/architecture.md, no module imports itself back through others, and no private name crosses modules.
 
 A failure names the importing file and line and the module it imports, e.g.
-    openk3/model/moe.py:221 imports openk3.train.trainer: layer 'model' (5) may only import layers below it
+    openk3/model/moe.py:7 imports openk3.train.trainer: layer 'train' (9) is above 'model' (6); a layer may
+    only import layers below it
 """
 
 from __future__ import annotations
@@ -60,11 +61,17 @@ def from_module(node: ast.ImportFrom, path: Path, name: str) -> str:
 
 def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int, str | None]]:
     """(imported module, line, imported name or None) for every openk3 import in `path`, at any depth. `from
-    pkg import sub` counts as importing the module `pkg.sub` when there is one, else `pkg` (one of its names)."""
+    pkg import sub` counts as importing the module `pkg.sub` when there is one, else `pkg` (one of its names);
+    `importlib.import_module("openk3....")` with a literal name counts too."""
     tree = ast.parse(path.read_text(), str(path))
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+        if (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+                and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) == "import_module"
+                and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
+                and node.args[0].value.startswith("openk3.")):
+            found.append((node.args[0].value, node.lineno, None))
+        elif isinstance(node, ast.Import):
             found += [(a.name, node.lineno, None) for a in node.names if a.name.split(".")[0] == "openk3"]
         elif isinstance(node, ast.ImportFrom):
             source = from_module(node, path, name)
@@ -169,10 +176,19 @@ def cycles(graph, files: dict[str, Path]) -> list[str]:
     out = []
     for comp in comps:
         members = set(comp)
-        lines = [f"{files[s].relative_to(PACKAGE.parent)}:{line} imports {t}" for s in comp
-                 for t, line, _ in graph[s] if t in members]
+        lines = sorted({f"{files[s].relative_to(PACKAGE.parent)}:{line} imports {t}" for s in comp
+                        for t, line, _ in graph[s] if t in members})
         out.append("import cycle between " + ", ".join(comp) + ":\n    " + "\n    ".join(lines))
     return out
+
+
+def dotted(node: ast.AST) -> str | None:
+    """`a.b.c` of a chain of names, None for anything else."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and (head := dotted(node.value)) is not None:
+        return f"{head}.{node.attr}"
+    return None
 
 
 def private_imports(graph, files: dict[str, Path]) -> list[str]:
@@ -195,10 +211,13 @@ def private_imports(graph, files: dict[str, Path]) -> list[str]:
                     if any(t == f"{source}.{a.name}" for t, _, _ in targets):
                         aliases[a.asname or a.name] = f"{source}.{a.name}"
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            owner = dotted(node.value)  # `alias._x`, or the full path `openk3.x.y._x`
+            owner = aliases.get(owner, owner) if owner else None
+            if owner is not None and owner in files and owner != src:
                 bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{node.lineno} uses the private "
-                           f"{aliases[node.value.id]}.{node.attr}")
+                           f"{owner}.{node.attr}")
     return bad
 
 
@@ -242,6 +261,27 @@ def test_an_injected_back_edge_and_cycle_are_caught():
                             "posttrain/trainers is above posttrain/domains") for e in back_edges(graph, files))
     graph["openk3.serve.app"].append(("openk3.model.model", 5, "_query"))
     assert private_imports(graph, files)[0] == "openk3/serve/app.py:5 imports the private openk3.model.model._query"
+
+
+def test_import_parser_sees_dynamic_imports_and_private_attribute_paths(tmp_path):
+    pkg = tmp_path / "openk3"
+    (pkg / "agent").mkdir(parents=True)
+    for f in ("__init__.py", "agent/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "agent" / "reg.py").write_text("import importlib\n\n\ndef load():\n"
+                                          "    importlib.import_module('openk3.agent.fam')\n")
+    (pkg / "agent" / "fam.py").write_text("import openk3.agent.reg\n\nX = openk3.agent.reg._hidden\n")
+    graph = import_graph(pkg)
+    assert graph["openk3.agent.reg"] == [("openk3.agent.fam", 5, None)]
+    assert graph["openk3.agent.fam"] == [("openk3.agent.reg", 1, None)]
+    files = module_files(pkg)
+    global PACKAGE
+    real, PACKAGE = PACKAGE, pkg  # (messages name files relative to the package's parent)
+    try:
+        assert len(cycles(graph, files)) == 1
+        assert private_imports(graph, files) == ["openk3/agent/fam.py:3 uses the private openk3.agent.reg._hidden"]
+    finally:
+        PACKAGE = real
 
 
 def test_import_parser_sees_function_level_and_relative_imports(tmp_path):

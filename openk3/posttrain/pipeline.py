@@ -9,13 +9,13 @@ Stages, each in its own sub-folder of the output folder DIR, in this order:
                                                 with that vocabulary, randomly initialised; or --base
     data                   data/sft_train.jsonl reference records of every domain x effort (`general.sft_dataset`,
                                                 `agentic.agentic_dataset`): SFT sees all three verbosities
-    sft                    sft/                 `posttrain.sft.sft` on those records
+    sft                    sft/                 `trainers.sft.sft` on those records
     teacher D/max, D/high, D/low
-                           teachers/D-E/        `posttrain.rl.rl` per domain in the chain max -> high -> low: max
+                           teachers/D-E/        `trainers.rl.rl` per domain in the chain max -> high -> low: max
                                                 starts from SFT with B_max; high starts from the max teacher and low
                                                 from the high teacher, their budgets annealed from the previous
                                                 effort's (background §3.3)
-    mopd                   student/             `posttrain.mopd.distill`: the student (from SFT) learns every cell
+    mopd                   student/             `trainers.mopd.distill`: the student (from SFT) learns every cell
                                                 from its own teacher
     merge                  merged/              `merge.merge_checkpoints` (`openk3 merge`) of the teachers onto SFT
                                                 (the profile's method, TIES by default): the "nine specialists

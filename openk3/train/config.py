@@ -56,8 +56,8 @@ RESUME_FREE = frozenset({
 
 @dataclass(frozen=True, kw_only=True)
 class LoopConfig:
-    """The loop's section, shared by pretraining (`TrainConfig`) and SFT (`posttrain.sft.SFTConfig`), which
-    inherit it (the fields sit at their top level, so their config files and `key=value` overrides stay flat):
+    """The loop's section, shared by pretraining (`TrainConfig`) and SFT (`posttrain.trainers.sft.SFTConfig`),
+    which inherit it (the fields sit at their top level, so their config files and `key=value` overrides stay flat):
     how one step is taken (batch, precision, optimizer, schedule, balancing) and the run's cadence."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -1,6 +1,6 @@
-"""The run loop every trainer drives. Pretraining (`train.trainer`), SFT (`posttrain.sft`), RL (`posttrain.rl`)
-and MOPD (`posttrain.mopd`) are a `Job` each — a step function with its data, its evaluation and its
-checkpoint — handed to `run_loop`:
+"""The run loop every trainer drives. Pretraining (`train.trainer`), SFT (`posttrain.trainers.sft`), RL
+(`posttrain.trainers.rl`) and MOPD (`posttrain.trainers.mopd`) are a `Job` each — a step function with its
+data, its evaluation and its checkpoint — handed to `run_loop`:
 
     run_loop(job, Cadence(max_steps=200, eval_every=50, save_every=100, log_every=10), metrics_log)
 

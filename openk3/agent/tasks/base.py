@@ -181,23 +181,14 @@ class Family:
     description: str = ""
 
 
+#: Every registered family. The package (`openk3/agent/tasks/__init__.py`) imports each of its family modules,
+#: and any import of this module imports the package first, so all of them are here whatever was imported
+#: before; a family defined elsewhere joins with `register`.
 FAMILIES: dict[str, Family] = {}
-#: The family modules of this package, each registering itself on import; `families()` and `generate` import
-#: them all first, so what they see never depends on what happened to be imported before.
-FAMILY_MODULES = ("fix_test", "data_wrangle", "tool_arith", "multi_hop", "implement_spec")
-
-
-def load_families() -> None:
-    """Import the family modules (each registers itself); idempotent."""
-    import importlib
-
-    for name in FAMILY_MODULES:
-        importlib.import_module(f"openk3.agent.tasks.{name}")
 
 
 def families() -> list[str]:
     """The registered families' names: the package's own and any registered since."""
-    load_families()
     return sorted(FAMILIES)
 
 
@@ -212,7 +203,6 @@ def register(family: Family) -> Family:
 
 def generate(family: str, seed: int, difficulty: int = 1, split: str = "train") -> Task:
     """The task of `family` for (seed, difficulty, split); deterministic."""
-    load_families()
     if family not in FAMILIES:
         raise ValueError(f"unknown task family {family!r}; known: {sorted(FAMILIES)}")
     fam = FAMILIES[family]

@@ -28,7 +28,7 @@ from openk3.chart import new_figure, save_png
 from openk3.chat import THINKING_EFFORTS
 from openk3.posttrain.domains.records import DOMAINS
 
-#: The metrics drawn from an RL teacher's metrics.jsonl (`posttrain.rl`), in panel order.
+#: The metrics drawn from an RL teacher's metrics.jsonl (`posttrain.trainers.rl`), in panel order.
 TEACHER_KEYS = ("reward", "over_budget_rate", "think_mean", "entropy", "zero_variance_frac", "mismatch_kl")
 #: The metrics drawn from a MOPD run's metrics.jsonl (background §3.6 step 6), in panel order; per-cell
 #: variants "key/domain/effort" go into key's panel.

@@ -228,7 +228,9 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
     for what, file in [*teacher_metrics.items(), ("--mopd-metrics", mopd_metrics)]:
         if file is not None and not os.path.isfile(file):  # checked now, not after hours of evaluation
             raise ValueError(f"{what}: no metrics file {file}")
-    cells = cells if isinstance(cells, list) else parse_cells(cells)
+    if cells is not None and not isinstance(cells, str):  # cells "D/E" or (D, E) pairs
+        cells = [c if isinstance(c, str) else "/".join(c) for c in cells]
+    cells = parse_cells(cells)
     response_cap = RESPONSE_CAP if response_cap is None else response_cap
     b_floor = B_FLOOR if b_floor is None else b_floor
     settings = {"cells": [f"{d}/{e}" for d, e in cells], "n_per_cell": n_per_cell, "samples": samples,
