@@ -250,6 +250,11 @@ def _puzzle(rng: random.Random, level: int, template: str) -> dict:
     return dict(prompt=prompt, answer=answer, think=think, difficulty=think["max"].count("\n"))  # work items
 
 
+def _list_think(plan: str, items: list[str], check: str, *, high: str, low: str) -> dict[str, str]:
+    """The three efforts' think texts of a list-making instruction: max plans, goes item by item and checks."""
+    return {"max": "\n".join([plan, *items, check]), "high": high, "low": low}
+
+
 def _instruct(rng: random.Random, level: int, template: str) -> dict:
     if template == "words":
         n, letter = 2 + level, rng.choice(sorted(VOCAB))
@@ -258,10 +263,10 @@ def _instruct(rng: random.Random, level: int, template: str) -> dict:
                   "one word per line, with nothing else.")
         rules = [{"rule": "lines", "n": n}, {"rule": "start", "letter": letter}, {"rule": "distinct"}]
         answer, hack = "\n".join(words), "known_words"
-        think = {"max": "\n".join([f'Need {n} different words starting with "{letter}", one per line, no other text.',
-                                   *(f"{w}: starts with {letter}, not used yet, keep" for w in words),
-                                   f"check: {n} lines, all start with {letter}, no repeats, no extra text ok"]),
-                 "high": f"{n} words: {', '.join(words)}", "low": f"{n} {letter}-words"}
+        think = _list_think(f'Need {n} different words starting with "{letter}", one per line, no other text.',
+                            [f"{w}: starts with {letter}, not used yet, keep" for w in words],
+                            f"check: {n} lines, all start with {letter}, no repeats, no extra text ok",
+                            high=f"{n} words: {', '.join(words)}", low=f"{n} {letter}-words")
     elif template == "json":
         k1, k2 = rng.sample(KEYS, 2)
         a, b = _number(rng, level + 1), _number(rng, level)
@@ -279,10 +284,10 @@ def _instruct(rng: random.Random, level: int, template: str) -> dict:
                   "Do not use commas.")
         rules = [{"rule": "sentences", "n": k}, {"rule": "contains", "word": topic}, {"rule": "no_commas"}]
         answer, hack = " ".join(chosen), "content_sentences"
-        think = {"max": "\n".join([f'Need {k} sentences, each with "{topic}", no commas, only the text.',
-                                   *(f"draft: {s} has {topic}, no comma ok" for s in chosen),
-                                   f"check: {k} sentences, all different, no commas ok"]),
-                 "high": f'{k} sentences with "{topic}", no commas', "low": f"{k} sentences"}
+        think = _list_think(f'Need {k} sentences, each with "{topic}", no commas, only the text.',
+                            [f"draft: {s} has {topic}, no comma ok" for s in chosen],
+                            f"check: {k} sentences, all different, no commas ok",
+                            high=f'{k} sentences with "{topic}", no commas', low=f"{k} sentences")
     return dict(prompt=prompt, answer=answer, think=think, verifier={"kind": "rules", "rules": rules, "hack": hack},
                 difficulty=len(rules) * level)
 
