@@ -234,7 +234,7 @@ def test_after_an_optimizer_step_the_engine_samples_from_the_new_weights():
     # one-token turns (every id ends one) rewarded by parity: a group whose rewards differ, so a gradient
     one_token = RolloutConfig(group_size=8, seed=3, extra_stop_ids=tuple(range(512)))
     _, metrics = rl_step(cfg, model, opt, engine, problems, TOK, one_token, 0)
-    assert metrics["grad_norm"] > 0 and metrics["zero_variance_frac"] == 0
+    assert metrics["grad_norm"] > 0 and metrics["zero_variance_frac"] == 0 and metrics["skipped"] == 0
     records = rollout(engine, problems, TOK, RolloutConfig(group_size=4, response_cap=3, seed=4))
     batch, mask = make_batch(records), None
     mask = batch["mask_BT"]
@@ -243,6 +243,24 @@ def test_after_an_optimizer_step_the_engine_samples_from_the_new_weights():
         old_lp, _ = token_logprobs(old, batch["ids_BT"])
     torch.testing.assert_close(batch["behaviour_BT"][mask], new_lp[mask], atol=2e-4, rtol=0)
     assert (batch["behaviour_BT"][mask] - old_lp[mask]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("loss", ["kimi", "grpo"])
+def test_a_batch_without_signal_takes_no_step(loss):
+    """Every group's rewards equal (here: all 1), so every advantage is zero: no optimizer step, the weights and
+    the optimizer state bit-identical, the step logged as skipped with the batch's entropy still measured."""
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = Engine(model, None, max_num_seqs=16)
+    cfg = RLConfig(model="x", group_size=8, loss=loss, lr=1e-2)
+    opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, qk_clip_tau=None))
+    problems = [Problem(f"p{i}", short_prompt(f"q{i}"), budget=6, score=lambda t: 1.0) for i in range(2)]
+    roll = RolloutConfig(group_size=8, seed=3, extra_stop_ids=tuple(range(512)))
+    _, metrics = rl_step(cfg, model, opt, engine, problems, TOK, roll, 0)
+    assert metrics["skipped"] == 1 and metrics["grad_norm"] == 0 and metrics["zero_variance_frac"] == 1
+    assert metrics["entropy"] > 0 and all(not o.state for o in opt.optimizers)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize("loss", ["kimi", "grpo"])

@@ -166,6 +166,20 @@ def row_chunks(mask_BT: torch.Tensor, micro_tokens: int | None) -> list[tuple[in
     return out
 
 
+@torch.no_grad()
+def policy_logprobs(model, ids_BT: torch.Tensor, mask_BT: torch.Tensor, *, temperature: float = 1.0,
+                    micro_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) of ids[:, 1:] [B, T-1] in float32 without grad, in the row chunks of `row_chunks`
+    (zeros past each chunk's last trained position)."""
+    B, T1 = mask_BT.shape
+    logp = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
+    entropy = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
+    for a, b, n in row_chunks(mask_BT, micro_tokens):
+        lp, ent = token_logprobs(model, ids_BT[a:b, :n], temperature)
+        logp[a:b, :n - 1], entropy[a:b, :n - 1] = lp.float(), ent.float()
+    return logp, entropy
+
+
 def policy_backward(model, ids_BT: torch.Tensor, mask_BT: torch.Tensor, loss_fn, *, temperature: float = 1.0,
                     micro_tokens: int | None = None) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
     """Backward of `loss_fn(logp_BT) -> (loss, stats)` through the policy's token log-probs into `model`'s
@@ -183,13 +197,7 @@ def policy_backward(model, ids_BT: torch.Tensor, mask_BT: torch.Tensor, loss_fn,
         loss, stats = loss_fn(logp)
         loss.backward()
         return loss.detach(), stats, logp.detach(), entropy
-    B, T1 = mask_BT.shape
-    logp = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
-    entropy = torch.zeros(B, T1, dtype=torch.float32, device=ids_BT.device)
-    with torch.no_grad():
-        for a, b, n in chunks:
-            lp, ent = token_logprobs(model, ids_BT[a:b, :n], temperature)
-            logp[a:b, :n - 1], entropy[a:b, :n - 1] = lp.float(), ent.float()
+    logp, entropy = policy_logprobs(model, ids_BT, mask_BT, temperature=temperature, micro_tokens=micro_tokens)
     leaf = logp.clone().requires_grad_()
     loss, stats = loss_fn(leaf)
     loss.backward()
@@ -243,26 +251,38 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
             step: int) -> tuple[list[dict], dict]:
     """One RL step on `problems`: sample (through `engine`, which runs on `model`), reward, score in fp32,
     loss, optimizer step. Returns the rollout records and the step's metrics (`step` is 0-based; the
-    metrics say step + 1, the number of optimizer steps taken)."""
+    metrics say step + 1, the number of steps of the run).
+
+    A batch without a learning signal — every group's rewards equal, so every advantage is zero — takes no
+    optimizer step (`"skipped": 1`, the weights and the optimizer state untouched): Muon's update has a fixed
+    norm and a fresh AdamW's first one is about lr * sign(g), so stepping on the numerical residue of a zero
+    advantage would move every matrix as far as a real signal does."""
     if roll_cfg.group_size != cfg.group_size:
         raise ValueError(f"rl_step: rollout group_size {roll_cfg.group_size} != the loss's {cfg.group_size}")
     t0 = time.perf_counter()
     records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
     t1 = time.perf_counter()
     batch = make_batch(records)
+    groups = batch["rewards_B"].view(-1, cfg.group_size)
+    signal = bool((groups.amax(1) > groups.amin(1)).any())
     model.train()
-    opt.zero_grad()
-    loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], batch["mask_BT"],
-                                                 lambda lp: compute_loss(cfg, lp, batch),
-                                                 temperature=cfg.temperature, micro_tokens=cfg.micro_tokens)
-    grad_norm = opt.clip_grad_norm_()
-    opt.step()
+    if signal:
+        opt.zero_grad()
+        loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], batch["mask_BT"],
+                                                     lambda lp: compute_loss(cfg, lp, batch),
+                                                     temperature=cfg.temperature, micro_tokens=cfg.micro_tokens)
+        grad_norm = opt.clip_grad_norm_()
+        opt.step()
+    else:  # the metrics still describe the batch under the (unchanged) policy
+        logp, entropy = policy_logprobs(model, batch["ids_BT"], batch["mask_BT"], temperature=cfg.temperature,
+                                        micro_tokens=cfg.micro_tokens)
+        loss, stats, grad_norm = torch.zeros(()), {}, torch.zeros(())
     model.eval()
     mask = batch["mask_BT"]
     metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss),
                "entropy": masked_mean(entropy, mask),
                "mismatch_kl": masked_mean(batch["behaviour_BT"] - logp, mask),
-               "grad_norm": float(grad_norm), "lr": cfg.lr,
+               "grad_norm": float(grad_norm), "lr": cfg.lr, "skipped": int(not signal),
                **{f"loss_{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
                "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1}
     return records, metrics
