@@ -134,6 +134,7 @@ def test_a_teacher_equal_to_the_student_gives_no_update():
             assert 0 < metrics["grad_norm"] < 1e-4 and moved > 0.1 * cfg.lr  # noise, amplified to ~lr
         else:
             assert metrics["floored_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and moved == 0.0
+            assert metrics["skipped"] == 1  # no signal: no optimizer step at all (the optimizer state stays empty)
 
 
 def test_floor_gaps_closes_only_the_small_gaps():

@@ -56,7 +56,7 @@ from openk3.posttrain.trainers.onpolicy import (
     open_run,
     optimizer_for,
 )
-from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, token_logprobs
+from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, policy_logprobs, token_logprobs
 from openk3.posttrain.trainers.rollout import Problem, RolloutConfig, rollout
 
 CONFIG_FILE = "mopd_config.json"
@@ -274,9 +274,18 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     floored = floor_gaps(teacher, behaviour, cfg.adv_floor)
     rewards = batch["rewards_B"] if cfg.alpha else None
     group = cfg.group_size if cfg.alpha else None
+    # no learning signal (every sampled token's gap closed, and no outcome advantage): no optimizer step, as in RL
+    signal = bool(torch.where(mask, floored != behaviour, False).any())
+    if cfg.alpha and not signal:
+        groups = batch["rewards_B"].view(-1, cfg.group_size)
+        signal = bool((groups.amax(1) > groups.amin(1)).any())
     model.train()
     first: dict = {}
-    for epoch in range(cfg.ppo_epochs):
+    if not signal:
+        logp, entropy = policy_logprobs(model, batch["ids_BT"], mask, micro_tokens=cfg.micro_tokens)
+        first = {"loss": 0.0, "grad_norm": 0.0, "logp": logp, "entropy": entropy, "stats": {"adv_mean": 0.0}}
+        last_ratio_clip = 0.0
+    for epoch in range(cfg.ppo_epochs if signal else 0):
         def loss_fn(lp, epoch=epoch):
             return losses.mopd_loss(lp, behaviour, floored, mask, clip=cfg.clip,
                                     ratio_clip=cfg.ratio_clip if epoch else None, rewards_B=rewards,
@@ -300,6 +309,7 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     n = len(records)
     hit = (rkl.abs() > cfg.clip) if cfg.clip is not None else torch.zeros_like(mask)
     metrics = {"step": step + 1, "loss": first["loss"], "grad_norm": first["grad_norm"], "lr": cfg.lr,
+               "skipped": int(not signal),
                "reverse_kl": masked_mean(rkl, mask), "clipped_frac": masked_mean(hit.float(), mask),
                "floored_frac": masked_mean((floored == behaviour).float(), mask),
                "adv_mean": first["stats"]["adv_mean"], "entropy": masked_mean(first["entropy"], mask),
