@@ -135,6 +135,7 @@ def test_a_teacher_equal_to_the_student_gives_no_update():
         else:
             assert metrics["floored_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and moved == 0.0
             assert metrics["skipped"] == 1  # no signal: no optimizer step at all (the optimizer state stays empty)
+            assert metrics["cells"]["general/low"]["floored_frac"] == 1.0
 
 
 def test_floor_gaps_closes_only_the_small_gaps():
@@ -329,7 +330,8 @@ def test_the_command_runs_end_to_end(ckpts, command_run, capsys):
     assert cells <= {"general/low", "general/high"} and cells
     for r in rows:
         for stats in r["cells"].values():
-            assert {"n", "reverse_kl", "clipped_frac", "entropy", "mismatch_kl", "think_mean"} <= set(stats)
+            assert {"n", "reverse_kl", "clipped_frac", "floored_frac", "entropy", "mismatch_kl",
+                    "think_mean"} <= set(stats)
     records = [json.loads(line) for line in (out / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
     assert len(records) == 3
     for r in records:

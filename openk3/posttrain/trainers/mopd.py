@@ -238,9 +238,11 @@ def floor_gaps(teacher_BT: torch.Tensor, behaviour_BT: torch.Tensor, floor: floa
 
 
 def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: torch.Tensor,
-                entropy: torch.Tensor, mismatch: torch.Tensor, clip: float | None) -> dict[str, dict]:
-    """Per cell: samples, reverse-KL estimate, clipped fraction, entropy, mismatch KL (token means over the
-    cell's generated tokens), think tokens (trajectory mean), task reward, think-cap rate."""
+                entropy: torch.Tensor, mismatch: torch.Tensor, clip: float | None,
+                floored: torch.Tensor) -> dict[str, dict]:
+    """Per cell: samples, reverse-KL estimate, clipped and floored fractions, entropy, mismatch KL (token means
+    over the cell's generated tokens), think tokens (trajectory mean), task reward, think-cap rate. `floored`:
+    [B, T-1] true where `floor_gaps` closed the gap."""
     out = {}
     for cell in dict.fromkeys(cells):
         rows = [b for b, c in enumerate(cells) if c == cell]
@@ -248,6 +250,7 @@ def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: 
         hit = (rkl[rows].abs() > clip) if clip is not None else torch.zeros_like(m)
         out[cell] = {"n": len(rows), "reverse_kl": masked_mean(rkl[rows], m),
                      "clipped_frac": masked_mean(hit.float(), m),
+                     "floored_frac": masked_mean(floored[rows].float(), m),
                      "entropy": masked_mean(entropy[rows], m), "mismatch_kl": masked_mean(mismatch[rows], m),
                      "think_mean": sum(r["think_tokens"] for r in recs) / len(recs),
                      "task_reward": sum(r["reward_components"]["task"] for r in recs) / len(recs),
@@ -319,7 +322,8 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
                "task_reward": sum(r["reward_components"]["task"] for r in records) / n,
                "format_fail_rate": sum(r["reward_components"]["format"] == 0 for r in records) / n,
                "think_cap_rate": sum(r["stopped_reason"] == "budget" for r in records) / n,
-               "cells": _cell_stats(records, cells, mask, rkl, first["entropy"], mismatch, cfg.clip),
+               "cells": _cell_stats(records, cells, mask, rkl, first["entropy"], mismatch, cfg.clip,
+                                    floored == behaviour),
                "rollout_s": t1 - t0, "teacher_s": t2 - t1, "train_s": time.perf_counter() - t2}
     if cfg.ppo_epochs > 1:
         metrics["ratio_clip_frac_last"] = last_ratio_clip
