@@ -208,14 +208,20 @@ class Trainer:
             micro = cfg.batch_size // (self.mesh.dp_size * cfg.grad_accum)
             r = evaluate_bpb(self.model, split, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device=self.device,
                              chunk_rows=micro)
-        self.recorder.clear()  # eval forwards are not routing statistics of a training step
+        return self.eval_record(t0, {"val_loss": r["loss"], "val_bpb": r["bpb"], "val_tokens": r["tokens"]},
+                                kept=("val_loss", "val_bpb"))
+
+    def eval_record(self, t0: float, values: dict, *, kept: tuple[str, ...]) -> dict:
+        """Book an evaluation that started at `t0` (perf_counter) and measured `values`: the routing and QK
+        statistics its forwards left are dropped (they are not a training step's), its time counts in
+        `elapsed`, the `kept` values join the history (what loss.png and a resume read); returns the metrics
+        record {"kind": "eval", "step", **values, "elapsed"}."""
+        self.recorder.clear()
         if self.qk_recorder is not None:
             self.qk_recorder.clear()
         self.elapsed += time.perf_counter() - t0
-        rec = {"kind": "eval", "step": self.step, "val_loss": r["loss"], "val_bpb": r["bpb"], "val_tokens": r["tokens"],
-               "elapsed": self.elapsed}
-        self.history.append({"kind": "eval", "step": self.step, "val_loss": r["loss"], "val_bpb": r["bpb"]})
-        return rec
+        self.history.append({"kind": "eval", "step": self.step, **{k: values[k] for k in kept}})
+        return {"kind": "eval", "step": self.step, **values, "elapsed": self.elapsed}
 
     # ---- state ----
     def state_dict(self, optimizer: bool = True) -> dict:
@@ -272,7 +278,32 @@ def build_trainer(model: nn.Module, batches, cfg: LoopConfig, *, mesh: Mesh | No
     return Trainer(model, batches, opt, schedule, cfg, device=device, threads=threads, mesh=mesh)
 
 
-class PretrainJob(Job):
+class TrainerJob(Job):
+    """A job whose step is a `Trainer`'s (pretraining, SFT): its step count, its loss.png (train and validation
+    loss from the trainer's history; `draws` False on ranks that do not write) and its hooks released at the
+    end."""
+
+    def __init__(self, trainer: Trainer, out: Path, *, draws: bool = True) -> None:
+        self.trainer, self.out, self.draws = trainer, out, draws
+        self.drawn = -1  # how much of the history loss.png shows (the history is append-only)
+
+    @property
+    def step(self) -> int:
+        return self.trainer.step
+
+    def plot(self) -> None:
+        history = self.trainer.history
+        # a step that evaluates and then saves would draw the same picture twice (matplotlib: ~0.2 s a draw)
+        if self.draws and self.drawn != len(history):
+            plot_losses(losses_by_step(history), losses_by_step(history, "eval", "val_loss"),
+                        str(self.out / "loss.png"))
+            self.drawn = len(history)
+
+    def close(self) -> None:
+        self.trainer.close()
+
+
+class PretrainJob(TrainerJob):
     """Pretraining as a job of the run loop (`train.loop`): the `Trainer`'s step over the packed loader,
     bits-per-byte evaluation on the validation split, checkpoints (rank 0 writes; several processes also
     write DCP shards), loss.png."""
@@ -281,13 +312,9 @@ class PretrainJob(Job):
 
     def __init__(self, trainer: Trainer, loader, val, cfg: TrainConfig, out: Path, mesh: Mesh, *, tuner, extra: dict,
                  empty_copy: Callable[[], nn.Module]) -> None:
-        self.trainer, self.loader, self.val, self.cfg, self.out, self.mesh = trainer, loader, val, cfg, out, mesh
+        super().__init__(trainer, out, draws=mesh.is_main)
+        self.loader, self.val, self.cfg, self.mesh = loader, val, cfg, mesh
         self.tuner, self.extra, self.empty_copy = tuner, extra, empty_copy
-        self.drawn = -1  # how much of the history loss.png shows (the history is append-only)
-
-    @property
-    def step(self) -> int:
-        return self.trainer.step
 
     @property
     def evaluates(self) -> bool:
@@ -319,14 +346,6 @@ class PretrainJob(Job):
 
     def eval_line(self, rec: dict) -> str:
         return f"eval step {rec['step']}: val loss {rec['val_loss']:.4f}, {rec['val_bpb']:.4f} bits/byte"
-
-    def plot(self) -> None:
-        history = self.trainer.history
-        # a step that evaluates and then saves would draw the same picture twice (matplotlib: ~0.2 s a draw)
-        if self.mesh.is_main and self.drawn != len(history):
-            plot_losses(losses_by_step(history), losses_by_step(history, "eval", "val_loss"),
-                        str(self.out / "loss.png"))
-            self.drawn = len(history)
 
     def save(self) -> Path | None:
         # several processes: the optimizer state goes to DCP shards written by every rank into a staging folder
@@ -360,9 +379,6 @@ class PretrainJob(Job):
                                    keep=self.cfg.keep_checkpoints, extra_dirs=dirs)
         mesh.barrier()  # nobody runs ahead (or exits) before the checkpoint is on disk
         return path
-
-    def close(self) -> None:
-        self.trainer.close()
 
 
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,

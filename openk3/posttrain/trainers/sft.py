@@ -54,9 +54,9 @@ from openk3.posttrain.trainers.sft_data import (
 )
 from openk3.tokenizer.files import checkpoint_tokenizer
 from openk3.train.config import LoopConfig
-from openk3.train.loop import Job
-from openk3.train.metrics import losses_by_step, plot_losses
+from openk3.train.metrics import losses_by_step
 from openk3.train.optim import OptimConfig
+from openk3.train.trainer import TrainerJob, build_trainer
 
 # Fields a resumed run may change without `allow_config_change` (they do not change what the remaining
 # steps compute; `max_steps`/`epochs` lengthen or shorten the run and recompute the LR schedule's length).
@@ -205,7 +205,7 @@ def evaluate(model, convs, cfg: SFTConfig, pad_id: int, device: torch.device) ->
     return {"loss": nats / max(1, tokens), "tokens": tokens}
 
 
-class SFTJob(Job):
+class SFTJob(TrainerJob):
     """SFT as a job of the run loop (`train.loop`): the pretraining `Trainer`'s step over `SFTLoader` batches,
     mean CE per trained token of the validation conversations, checkpoints with the base's tokenizer."""
 
@@ -213,12 +213,9 @@ class SFTJob(Job):
 
     def __init__(self, trainer, loader, val: list, cfg: SFTConfig, out: Path, pad_id: int, device,
                  tok_files: dict[str, str]) -> None:
-        self.trainer, self.loader, self.val, self.cfg, self.out = trainer, loader, val, cfg, out
+        super().__init__(trainer, out)
+        self.loader, self.val, self.cfg = loader, val, cfg
         self.pad_id, self.device, self.tok_files = pad_id, device, tok_files
-
-    @property
-    def step(self) -> int:
-        return self.trainer.step
 
     @property
     def evaluates(self) -> bool:
@@ -237,32 +234,18 @@ class SFTJob(Job):
         return {"loss": f"{rec['loss']:.3f}", "tok/s": f"{rec['tokens_per_s']:,.0f}"}
 
     def evaluate(self) -> dict:
-        trainer = self.trainer
         t0 = time.perf_counter()
-        r = evaluate(trainer.model, self.val, self.cfg, self.pad_id, self.device)
-        trainer.recorder.clear()  # eval forwards are not routing statistics of a training step
-        if trainer.qk_recorder is not None:
-            trainer.qk_recorder.clear()
-        trainer.elapsed += time.perf_counter() - t0
-        trainer.history.append({"kind": "eval", "step": trainer.step, "val_loss": r["loss"]})
-        return {"kind": "eval", "step": trainer.step, "val_loss": r["loss"], "val_tokens": r["tokens"],
-                "elapsed": trainer.elapsed}
+        r = evaluate(self.trainer.model, self.val, self.cfg, self.pad_id, self.device)
+        return self.trainer.eval_record(t0, {"val_loss": r["loss"], "val_tokens": r["tokens"]}, kept=("val_loss",))
 
     def eval_line(self, rec: dict) -> str:
         return f"eval step {rec['step']}: val loss {rec['val_loss']:.4f} over {rec['val_tokens']:,} trained tokens"
-
-    def plot(self) -> None:
-        history = self.trainer.history
-        plot_losses(losses_by_step(history), losses_by_step(history, "eval", "val_loss"), str(self.out / "loss.png"))
 
     def save(self) -> Path:
         state = self.trainer.state_dict()
         state["config"] = self.cfg.to_dict()
         return save_checkpoint(self.out, self.trainer.step, self.trainer.model, state, extra_files=self.tok_files,
                                keep=self.cfg.keep_checkpoints)
-
-    def close(self) -> None:
-        self.trainer.close()
 
 
 def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, progress: bool = True,
@@ -285,7 +268,6 @@ def sft(cfg: SFTConfig, out_dir: str | os.PathLike, *, resume: bool = True, prog
         resume_run,
         settings_changes,
     )
-    from openk3.train.trainer import build_trainer
 
     report = reporter("sft")
     say = report.info
