@@ -62,6 +62,13 @@ def _groups(rewards_B: torch.Tensor, group_size: int, B: int) -> torch.Tensor:
     return _f(rewards_B).detach().reshape(-1, group_size)
 
 
+def rewards_vary(rewards_B: torch.Tensor, group_size: int) -> bool:
+    """Whether any group's rewards differ: the outcome signal a group baseline can learn from (a batch where no
+    group's do is skipped by RL and by MOPD's outcome mixing)."""
+    r_PG = _groups(rewards_B, group_size, rewards_B.shape[0])
+    return bool((r_PG.amax(-1) > r_PG.amin(-1)).any())
+
+
 def _masked_mean(x_BT: torch.Tensor, m_BT: torch.Tensor) -> float:
     n = int(m_BT.sum())
     return float(torch.where(m_BT, x_BT, 0).sum() / n) if n else 0.0

@@ -280,8 +280,7 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     # no learning signal (every sampled token's gap closed, and no outcome advantage): no optimizer step, as in RL
     signal = bool(torch.where(mask, floored != behaviour, False).any())
     if cfg.alpha and not signal:
-        groups = batch["rewards_B"].view(-1, cfg.group_size)
-        signal = bool((groups.amax(1) > groups.amin(1)).any())
+        signal = losses.rewards_vary(batch["rewards_B"], cfg.group_size)
     model.train()
     first: dict = {}
     if not signal:

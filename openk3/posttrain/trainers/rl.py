@@ -263,8 +263,7 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
     records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
     t1 = time.perf_counter()
     batch = make_batch(records)
-    groups = batch["rewards_B"].view(-1, cfg.group_size)
-    signal = bool((groups.amax(1) > groups.amin(1)).any())
+    signal = losses.rewards_vary(batch["rewards_B"], cfg.group_size)
     model.train()
     if signal:
         opt.zero_grad()
