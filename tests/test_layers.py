@@ -90,6 +90,11 @@ def imports(path: Path, name: str, known: set[str]) -> list[tuple[str, int, str 
     return out
 
 
+def file_of(files: dict[str, Path], module: str) -> Path:
+    """The module's file as the messages name it: relative to the folder holding the package."""
+    return files[module].relative_to(files["openk3"].parent.parent)
+
+
 def import_graph(root: Path = PACKAGE) -> dict[str, list[tuple[str, int, str | None]]]:
     files = module_files(root)
     return {name: imports(path, name, set(files)) for name, path in files.items()}
@@ -120,13 +125,13 @@ def back_edges(graph, files: dict[str, Path]) -> list[str]:
                 assert ra in rank and rb in rank, f"{src} -> {dst}: add {ra!r} / {rb!r} to ROOMS[{a!r}]"
                 if rank[rb] >= rank[ra]:
                     where = "above" if rank[rb] > rank[ra] else "beside"
-                    bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{line} imports {dst}: room {a}/{rb} is "
+                    bad.append(f"{file_of(files, src)}:{line} imports {dst}: room {a}/{rb} is "
                                f"{where} {a}/{ra}; a room may only import rooms below it")
                 continue
             assert a in RANK and b in RANK, f"{src} -> {dst}: add {a!r} / {b!r} to LAYERS (and the diagram)"
             if RANK[b] >= RANK[a]:
                 where = "above" if RANK[b] > RANK[a] else "beside"
-                bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{line} imports {dst}: layer {b!r} "
+                bad.append(f"{file_of(files, src)}:{line} imports {dst}: layer {b!r} "
                            f"({RANK[b]}) is {where} {a!r} ({RANK[a]}); a layer may only import layers below it")
     return bad
 
@@ -177,7 +182,7 @@ def cycles(graph, files: dict[str, Path]) -> list[str]:
     out = []
     for comp in comps:
         members = set(comp)
-        lines = sorted({f"{files[s].relative_to(PACKAGE.parent)}:{line} imports {t}" for s in comp
+        lines = sorted({f"{file_of(files, s)}:{line} imports {t}" for s in comp
                         for t, line, _ in graph[s] if t in members})
         out.append("import cycle between " + ", ".join(comp) + ":\n    " + "\n    ".join(lines))
     return out
@@ -198,7 +203,7 @@ def private_imports(graph, files: dict[str, Path]) -> list[str]:
     for src, targets in graph.items():
         for dst, line, what in targets:
             if what is not None and what.startswith("_") and not what.startswith("__"):
-                bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{line} imports the private {dst}.{what}")
+                bad.append(f"{file_of(files, src)}:{line} imports the private {dst}.{what}")
         tree = ast.parse(files[src].read_text())
         aliases = {}  # local name -> openk3 module bound to it
         for node in ast.walk(tree):
@@ -217,7 +222,7 @@ def private_imports(graph, files: dict[str, Path]) -> list[str]:
             owner = dotted(node.value)  # `alias._x`, or the full path `openk3.x.y._x`
             owner = aliases.get(owner, owner) if owner else None
             if owner is not None and owner in files and owner != src:
-                bad.append(f"{files[src].relative_to(PACKAGE.parent)}:{node.lineno} uses the private "
+                bad.append(f"{file_of(files, src)}:{node.lineno} uses the private "
                            f"{owner}.{node.attr}")
     return bad
 
@@ -282,13 +287,8 @@ def test_import_parser_sees_dynamic_imports_and_private_attribute_paths(tmp_path
     assert graph["openk3.agent.reg"] == [("openk3.agent.fam", 5, None)]
     assert graph["openk3.agent.fam"] == [("openk3.agent.reg", 1, None)]
     files = module_files(pkg)
-    global PACKAGE
-    real, PACKAGE = PACKAGE, pkg  # (messages name files relative to the package's parent)
-    try:
-        assert len(cycles(graph, files)) == 1
-        assert private_imports(graph, files) == ["openk3/agent/fam.py:3 uses the private openk3.agent.reg._hidden"]
-    finally:
-        PACKAGE = real
+    assert len(cycles(graph, files)) == 1
+    assert private_imports(graph, files) == ["openk3/agent/fam.py:3 uses the private openk3.agent.reg._hidden"]
 
 
 def test_import_parser_sees_function_level_and_relative_imports(tmp_path):

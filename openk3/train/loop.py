@@ -11,10 +11,10 @@ end, the stop on a non-finite loss, the `on_event(kind, info)` callback ("step",
 simulate kills with it), and the `finally` that closes the bar, the log and the job whatever happens.
 
 Starting and resuming are the run folder's (`train.state.open_run_folder`: torn saves cleaned, the newest
-intact checkpoint found; `resume_changes` / `record_config` for the settings), done by each job's setup before
-the loop runs, so a resumed job enters the loop at its checkpoint's step and the loop continues from there:
-bit for bit the uninterrupted run on CPU in fp32 (tests/test_trainer.py, test_posttrain_sft.py,
-test_posttrain_rl.py, test_posttrain_mopd.py kill runs at a step and inside a checkpoint write).
+intact checkpoint found; `settings_changes` / `record_config` for the settings; `resume_run`), done by each
+job's setup before the loop runs, so a resumed job enters the loop at its checkpoint's step and the loop
+continues from there: bit for bit the uninterrupted run on CPU in fp32 (tests/test_trainer.py,
+test_posttrain_sft.py, test_posttrain_rl.py, test_posttrain_mopd.py kill runs inside a checkpoint write).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The trainer's side of a run folder: RNG states, opening a run folder to resume it, recording the config.
 
-The checkpoints themselves (atomic saves, finding the newest intact one, loading it) are
-`openk3.checkpoint.runs`.
+The checkpoints themselves are `openk3.checkpoint`'s: their folder layout, finding and cleaning (`runs`),
+atomic saves and reading back the newest intact one (`steps`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ def rng_state() -> dict:
     return state
 
 
-
 def set_rng_state(state: dict) -> None:
     random.setstate(_tuplify(state["python"]))
     n = state["numpy"]
@@ -47,10 +46,8 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
 
 
 def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: Callable[[str], None], *,
@@ -77,7 +74,6 @@ def open_run_folder(out: Path, resume: bool, say: Callable[[str], None], warn: C
     return ckpt, saved, saved_weights
 
 
-
 def restart_changes(out: Path, cfg, name: str, free_keys=None) -> list[str]:
     """For a run folder with no checkpoint: the free changes (`openk3.train.config.resume_changes`) from an
     earlier run's `<name>.json` there (one stopped before its first checkpoint), which then starts over from
@@ -96,7 +92,6 @@ def restart_changes(out: Path, cfg, name: str, free_keys=None) -> list[str]:
                          f"settings (they are in {path}); to start a new run, choose a new --out (or remove "
                          f"{path.name} and metrics.jsonl from {out})")
     return free
-
 
 
 def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights, metrics_path: Path,
@@ -123,7 +118,6 @@ def resume_trainer(trainer, ckpt: Path | None, saved: dict | None, saved_weights
     say(f"resuming from step {trainer.step} ({ckpt})" + (f"; dropped {dropped} metrics record(s) logged after it"
                                                           if dropped else ""))
     return trainer.step
-
 
 
 def record_config(out: Path, cfg, *, step: int | None, changes: list[str], name: str = "train_config") -> None:
