@@ -378,7 +378,6 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     """Run (or resume) MOPD for `cfg.steps` optimizer steps into `out_dir`; returns the last step's metrics
     ({} when the run had already finished). on_step(step, metrics) runs after each step's metrics are logged
     (before its checkpoint)."""
-    from openk3.infer.engine import Engine
     from openk3.log import reporter
 
     if not cfg.teachers:
@@ -394,8 +393,7 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     torch.manual_seed(cfg.seed)
     opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
     sources = _sources(cfg, tok, sandbox_options)
-    slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
-    engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
+    engine = cfg.engine(model)
     # A think count never reaches the context limit, so with no think_cap the sampler's budget stop never fires.
     think_cap = cfg.think_cap or engine.max_model_len
     roll_cfg = dict(group_size=cfg.group_size, response_cap=cfg.response_cap, over_budget_reward=THINK_CAP_REWARD)

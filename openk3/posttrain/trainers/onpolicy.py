@@ -91,7 +91,19 @@ class OnPolicyConfig:
                 raise self.bad(field, f"an integer >= {least}")
         if not self.lr > 0:
             raise self.bad("lr", "> 0")
-        check_micro_tokens(self.micro_tokens, self.KIND)
+        m = self.micro_tokens  # None: the whole batch at once
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+            raise ValueError(f"{self.KIND} micro_tokens must be an integer >= 2 or None, got {m!r}")
+
+    def engine(self, model: torch.nn.Module):
+        """The inference engine a step samples through, on `model` itself (so every step samples from the weights
+        the last optimizer step wrote): one slot per trajectory of a step (at most `max_num_seqs`), and a prefix
+        cache of 2 x slots + 8 snapshots (shared prompt heads and finished turns, `infer/prefix.py`), as the
+        evaluation's engine keeps."""
+        from openk3.infer.engine import Engine
+
+        slots = min(self.max_num_seqs, self.prompts_per_step * self.group_size)
+        return Engine(model, None, max_num_seqs=slots, max_model_len=self.max_model_len, prefix_cache=2 * slots + 8)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,12 +114,6 @@ class OnPolicyConfig:
         if unknown:
             raise ValueError(f"{source or cls.KIND + ' config'}: unknown {cls.KIND} settings {unknown}")
         return cls(**{k: tuple(v) if k in cls.TUPLES and v is not None else v for k, v in d.items()})
-
-
-def check_micro_tokens(value, where: str) -> None:
-    """`micro_tokens` of an RL / MOPD config: None (the whole batch at once) or an integer >= 2."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
-        raise ValueError(f"{where} micro_tokens must be an integer >= 2 or None, got {value!r}")
 
 
 def check_resume(out: Path, cfg, *, config_file: str, start_field: str, resumable: Sequence[str],

@@ -296,7 +296,6 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
 
     on_step(step, metrics) is called after each step's metrics are logged (before its checkpoint).
     """
-    from openk3.infer.engine import Engine
     from openk3.log import reporter
 
     out = Path(out_dir)
@@ -310,8 +309,7 @@ def rl(cfg: RLConfig, out_dir: str | os.PathLike, *, on_step: Callable[[int, dic
     source = ProblemSource(cfg.domain, cfg.effort, tok, split=cfg.split, seed=cfg.seed, budget=budget,
                            budget_from=cfg.budget_from_effort, max_turns=cfg.max_turns,
                            sandbox_options=sandbox_options, levels=cfg.levels)
-    slots = min(cfg.max_num_seqs, cfg.prompts_per_step * cfg.group_size)
-    engine = Engine(model, None, max_num_seqs=slots, max_model_len=cfg.max_model_len, prefix_cache=2 * slots + 8)
+    engine = cfg.engine(model)
     roll_cfg = dict(group_size=cfg.group_size, temperature=cfg.temperature, response_cap=cfg.response_cap)
 
     def step_fn(problems: list, step: int) -> tuple[list[dict], dict]:
