@@ -20,8 +20,10 @@ from pathlib import Path
 
 from openk3.chat import THINKING_EFFORTS
 from openk3.fsutil import read_json, write_atomic
+from openk3.posttrain.domains.budget import B_FLOOR
 from openk3.posttrain.domains.records import DOMAINS
 from openk3.posttrain.evaluation.evaluate import CELLS, MIN_N, MODEL_KEYS, evaluate, model_rows, parse_cells
+from openk3.posttrain.trainers.rollout import RESPONSE_CAP
 
 
 def _cell(m: dict, domain: str, effort: str) -> dict | None:
@@ -203,8 +205,8 @@ def write_report(models: dict, checkpoints: dict, out_dir: str | os.PathLike, *,
 def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.PathLike, *,
                     cells: Iterable[tuple[str, str]] | str | None = None, n_per_cell: int = MIN_N,
                     samples: int = 1, split: str = "test", seed: int = 0, temperature: float = 1.0,
-                    think_cap: int | None = None, response_cap: int | None = None, max_turns: int = 8,
-                    b_floor: int | None = None, levels: tuple[int, ...] | None = None,
+                    think_cap: int | None = None, response_cap: int = RESPONSE_CAP, max_turns: int = 8,
+                    b_floor: int = B_FLOOR, levels: tuple[int, ...] | None = None,
                     prompt_effort: str | None = None, budget_forcing: bool = False, max_num_seqs: int = 32,
                     max_model_len: int | None = None, device: str | None = None,
                     teacher_metrics: Mapping[str, str] | None = None, mopd_metrics: str | None = None) -> dict:
@@ -214,8 +216,7 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
     Progress as "[eval] ..." lines."""
     from openk3.checkpoint.load import resolve_checkpoint
     from openk3.log import reporter
-    from openk3.posttrain.domains.budget import B_FLOOR, BudgetConfig
-    from openk3.posttrain.trainers.rollout import RESPONSE_CAP
+    from openk3.posttrain.domains.budget import BudgetConfig
 
     if "teachers" in models:
         raise ValueError("--models: 'teachers' is the report's group of the nine; name a teacher by its cell "
@@ -231,8 +232,6 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
     if cells is not None and not isinstance(cells, str):  # cells "D/E" or (D, E) pairs
         cells = [c if isinstance(c, str) else "/".join(c) for c in cells]
     cells = parse_cells(cells)
-    response_cap = RESPONSE_CAP if response_cap is None else response_cap
-    b_floor = B_FLOOR if b_floor is None else b_floor
     settings = {"cells": [f"{d}/{e}" for d, e in cells], "n_per_cell": n_per_cell, "samples": samples,
                 "split": split, "seed": seed, "temperature": temperature, "think_cap": think_cap,
                 "response_cap": response_cap, "max_turns": max_turns, "b_floor": b_floor,
