@@ -194,14 +194,7 @@ class PipelineParallel:
         import torch.distributed as dist
 
         for owner, (start, end) in enumerate(self.bounds):
-            mods = list(model.model.layers[start:end])
-            if owner == 0:
-                mods.append(model.model.embed_tokens)
-            if owner == self.pp - 1:
-                mods += [model.model.norm, model.lm_head]
-                if model.config.use_attn_res:
-                    mods += [model.model.output_attn_res_norm, model.model.output_attn_res_proj]
+            stage = StageModule(model, start, end)  # that owner's modules, as its rank holds them
             with torch.no_grad():
-                for m in mods:
-                    for t in [*m.parameters(), *m.buffers()]:
-                        dist.broadcast(t.data, src=owner, group=self.group)
+                for t in [*stage.parameters(), *stage.buffers()]:
+                    dist.broadcast(t.data, src=owner, group=self.group)
