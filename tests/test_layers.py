@@ -20,7 +20,7 @@ PACKAGE = Path(openk3.__file__).parent
 #: layer are siblings and do not import each other. "openk3" is the package root (`openk3/__init__.py`, the
 #: public API: `load`, `save`, `LLM`, ...). Keep docs/architecture.md's diagram in step with this list.
 LAYERS: list[tuple[str, ...]] = [
-    ("fsutil", "config_rules", "log"),  # stdlib only
+    ("fsutil", "config_rules", "log", "stats"),  # stdlib only
     ("config", "chart", "tokenizer", "chat"),  # no torch: configs, plots, tokenizer, the XTML chat format
     ("plan", "peers"),  # torch-free arithmetic over configs (counts, memory, cost); transformers' peer (lazy)
     ("common",),  # torch helpers

@@ -116,13 +116,16 @@ def test_cells_are_drawn_uniformly_and_reproducibly():
 
 
 def test_a_teacher_equal_to_the_student_gives_no_update():
-    """The gap is only sampler/trainer numerics (~1e-6): advantages ~0, no gradient, weights unchanged. Without
-    `floor_gaps` (adv_floor=0) Muon turns that noise into a full learning-rate step: checked below too."""
-    for floor, moves in ((1e-3, False), (0.0, True)):
+    """The gap is only sampler/trainer numerics (~1e-6): advantages ~0. By default (adv_floor 0, steps scaled by
+    the gradient norm) the weights move ~1e-6 of a step; with the floor the step is skipped (weights and
+    optimizer state untouched); without the scaling (update_ref None) Muon turns the noise into a full
+    learning-rate step, the reason both exist."""
+    for floor, ref, moves in ((0.0, 1.0, "tiny"), (1e-3, 1.0, "none"), (0.0, None, "full")):
         model = tiny_model()
         before = copy.deepcopy(model).requires_grad_(False)
-        cfg = MOPDConfig(lr=1e-3, adv_floor=floor)
-        records, metrics = mopd_step(cfg, model, optimizer(model, cfg.lr), Engine(model, None, max_num_seqs=4),
+        cfg = MOPDConfig(lr=1e-3, adv_floor=floor, update_ref=ref)
+        opt = optimizer(model, cfg.lr)
+        records, metrics = mopd_step(cfg, model, opt, Engine(model, None, max_num_seqs=4),
                                      problems(["general/low"] * 4, budget=20), {"general/low": before}, TOK,
                                      RolloutConfig(group_size=1, response_cap=4, seed=1), 0)
         gaps = [abs(t - b) for r in records
@@ -130,12 +133,16 @@ def test_a_teacher_equal_to_the_student_gives_no_update():
         assert len(gaps) >= 40 and max(gaps) < 1e-4
         assert abs(metrics["reverse_kl"]) < 1e-5 and metrics["clipped_frac"] == 0
         moved = max(float((p.detach() - before.get_parameter(n)).abs().max()) for n, p in model.named_parameters())
-        if moves:
-            assert 0 < metrics["grad_norm"] < 1e-4 and moved > 0.1 * cfg.lr  # noise, amplified to ~lr
-        else:
+        if moves == "none":
             assert metrics["floored_frac"] == 1.0 and metrics["grad_norm"] == 0.0 and moved == 0.0
-            assert metrics["skipped"] == 1  # no signal: no optimizer step at all (the optimizer state stays empty)
+            assert metrics["skipped"] == 1 and all(not o.state for o in opt.optimizers)
             assert metrics["cells"]["general/low"]["floored_frac"] == 1.0
+        else:
+            assert 0 < metrics["grad_norm"] < 1e-4 and metrics["skipped"] == 0
+            if moves == "full":
+                assert metrics["update_scale"] == 1.0 and moved > 0.1 * cfg.lr  # noise, amplified to ~lr
+            else:
+                assert metrics["update_scale"] == metrics["grad_norm"] and 0 < moved < 1e-5 * cfg.lr
 
 
 def test_floor_gaps_closes_only_the_small_gaps():
@@ -260,6 +267,39 @@ def ckpts(tmp_path_factory):
         TOK.save(str(root / name))
     (root / "teachers.json").write_text(json.dumps({"general/low": "t_low", "general/high": "t_high"}))
     return root
+
+
+def test_teachers_score_at_the_temperature_they_were_trained_at(ckpts, tmp_path):
+    """A teacher inside an RL run folder scores at that run's temperature (the run folder or its checkpoint
+    named), one outside any at 1, and `teacher_temperature` overrides both; the log-probs are the teacher's
+    softmax at that temperature."""
+    import shutil
+
+    from openk3.posttrain.trainers.mopd import teacher_logprobs, teacher_temperatures, training_temperature
+
+    run = tmp_path / "rl-run"
+    shutil.copytree(ckpts / "t_low", run / "checkpoints" / "step_000002")
+    (run / "checkpoints" / "step_000002" / runs.STATE_FILE).write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    (run / "rl_config.json").write_text(json.dumps({"temperature": 0.7}))
+    assert training_temperature(run) == 0.7 == training_temperature(run / "checkpoints" / "step_000002")
+    assert training_temperature(ckpts / "t_high") == 1.0
+    teachers = {"general/low": str(run), "general/high": str(ckpts / "t_high")}
+    assert teacher_temperatures(MOPDConfig(teachers=teachers)) == {"general/low": 0.7, "general/high": 1.0}
+    assert set(teacher_temperatures(MOPDConfig(teachers=teachers, teacher_temperature=1.0)).values()) == {1.0}
+    (run / "rl_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="rl_config.json: temperature must be a number > 0, got 'hot'"):
+        training_temperature(run)
+
+    teacher = tiny_model(1).eval()
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    records = [{"domain": "general", "effort": "low", "token_ids": ids[0].tolist()}]
+    got, _ = teacher_logprobs(records, ids, {"general/low": teacher}, temperatures={"general/low": 0.7})
+    with torch.no_grad():
+        want = torch.log_softmax(teacher(ids)[:, :-1].float() / 0.7, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert torch.allclose(got, want, atol=1e-6)
+    cold, _ = teacher_logprobs(records, ids, {"general/low": teacher})
+    assert not torch.allclose(cold, got, atol=1e-3)
 
 
 RUN = dict(steps=3, prompts_per_step=3, response_cap=4, think_cap=6, save_every=1, lr=1e-3, clip=3.0,

@@ -263,6 +263,32 @@ def test_a_batch_without_signal_takes_no_step(loss):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("update_ref", [1e3, None])
+def test_a_half_strength_signal_moves_the_weights_half_as_far(update_ref):
+    """The same samples (same seeds), rewards {0, 1} vs {0, 0.5}: K2's loss is linear in the advantage, so the
+    gradient halves. Scaled by the gradient norm (`update_ref` above both norms) every tensor moves about half
+    as far (Muon's matrices and a fresh AdamW's vectors alike); with a fixed-size step (None) it moves as far:
+    the defect the scaling removes."""
+    moves = {}
+    for strength in (1.0, 0.5):
+        model = tiny_model()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cfg = RLConfig(model="x", group_size=8, loss="kimi", lr=1e-3, update_ref=update_ref)
+        opt = build_optimizer(model, OptimConfig(lr=cfg.lr, weight_decay=0.0, qk_clip_tau=None))
+        problems = [Problem(f"p{i}", short_prompt(f"q{i}"), budget=8,
+                            score=lambda t, s=strength: s * float(t["ids"][0] % 2 == 0)) for i in range(2)]
+        roll = RolloutConfig(group_size=8, seed=5, extra_stop_ids=tuple(range(512)))
+        _, metrics = rl_step(cfg, model, opt, Engine(model, None, max_num_seqs=16), problems, TOK, roll, 0)
+        assert metrics["skipped"] == 0 and 0 < metrics["grad_norm"] < 1e3
+        moves[strength] = {n: float((p.detach() - before[n]).norm()) for n, p in model.named_parameters()}
+    ratios = [moves[0.5][n] / moves[1.0][n] for n in moves[1.0] if moves[1.0][n] > 0]
+    assert len(ratios) > 20
+    if update_ref is None:
+        assert all(r > 0.8 for r in ratios), sorted(ratios)[:3]
+    else:
+        assert all(0.45 < r < 0.55 for r in ratios), (min(ratios), max(ratios))
+
+
 @pytest.mark.parametrize("loss", ["kimi", "grpo"])
 def test_a_tiny_policy_learns_to_start_its_answer_with_an_even_byte(loss):
     """Reward 1 when the first sampled token is an even id below 256: about a quarter of a random model's

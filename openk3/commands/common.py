@@ -39,6 +39,9 @@ def add_rollout_run_arguments(p: argparse.ArgumentParser, d, *, seed_help: str) 
                                                   "those of the SFT data keep RL on what SFT taught)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"{seed_help} (default {d.seed})")
     p.add_argument("--save-every", type=int, default=d.save_every, help=f"checkpoint interval (default {d.save_every})")
+    p.add_argument("--update-ref", type=float, default=d.update_ref,
+                   help=f"the gradient norm that takes a full learning-rate step; smaller gradients take "
+                        f"proportionally smaller steps (default {d.update_ref}; 0 = every step full size)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
                    help=f"trajectories the engine decodes together (default {d.max_num_seqs})")
     p.add_argument("--max-model-len", type=positive_int, default=None,
@@ -54,7 +57,7 @@ def rollout_run_settings(args: argparse.Namespace) -> dict:
 
     setup_cpu(args.threads)
     return dict(split=args.split, levels=parse_levels(args.levels), seed=args.seed, save_every=args.save_every,
-                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
+                update_ref=args.update_ref or None, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len)
 
 
 def on_policy_done(tag: str, last: dict, out: str, steps: int, summary: str) -> None:

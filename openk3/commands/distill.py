@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"PPO ratio clip for passes after the first (default {d.ratio_clip[0]} {d.ratio_clip[1]})")
     p.add_argument("--adv-floor", type=float, default=d.adv_floor,
                    help=f"log-prob gaps below this count as agreement, A = 0 (default {d.adv_floor}; 0 = off)")
+    p.add_argument("--teacher-temperature", type=float, default=None,
+                   help="score every teacher at this temperature (default: each at the one its RL run sampled at, "
+                        "from its rl_config.json; 1 for a teacher no RL run made)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"learning rate (default {d.lr})")
     p.add_argument("--response-cap", type=int, default=d.response_cap,
                    help=f"tokens per turn after the think channel (default {d.response_cap})")
@@ -61,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
     cfg = MOPDConfig(student=args.student, teachers=args.teachers, cells=cells, steps=args.steps,
                      prompts_per_step=args.prompts_per_step, group_size=args.group_size,
                      clip=args.clip or None, alpha=args.alpha, ppo_epochs=args.ppo_epochs,
-                     ratio_clip=tuple(args.ratio_clip), adv_floor=args.adv_floor, lr=args.lr,
+                     ratio_clip=tuple(args.ratio_clip), adv_floor=args.adv_floor,
+                     teacher_temperature=args.teacher_temperature, lr=args.lr,
                      response_cap=args.response_cap, think_cap=args.think_cap, max_turns=args.max_turns,
                      **rollout_run_settings(args))
     last = distill(cfg, args.out)

@@ -28,6 +28,9 @@ Per cell (background §3.9), over all n = problems x samples trajectories:
     think_difficulty_corr     Pearson correlation of think tokens with problem difficulty (adaptivity;
                          None when either is constant)
     think_tokens_samples the per-trajectory think counts (the effort-separation plot's distributions)
+    task_samples, problem_ids   the per-trajectory task rewards and problems (paired comparisons, `report`)
+    ci95                 95 % intervals of accuracy, thinking_tokens and budget_compliance (`openk3.stats`:
+                         Wilson for a 0/1 rate with one sample per problem, else the bootstrap over problems)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from openk3.chat import CLOSE, SEP, THINKING_EFFORTS
 from openk3.posttrain.domains.budget import BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers.problems import ProblemSource
+from openk3.stats import mean_ci, rate_ci
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
 
 #: Every cell, as "domain/effort" (the order of the report's tables and of the teachers' keys).
@@ -114,13 +118,16 @@ def cell_metrics(records: Sequence[dict]) -> dict:
         return sum(values) / n
 
     think = [int(r["think_tokens"]) for r in records]
+    task = [float(r["reward_components"]["task"]) for r in records]
+    within = [float(t <= r["budget_think_tokens"]) for t, r in zip(think, records, strict=True)]
+    problems = [str(r.get("problem_id", r.get("id"))) for r in records]
     return {
-        "accuracy": mean(float(r["reward_components"]["task"]) for r in records),
+        "accuracy": mean(task),
         "thinking_tokens": mean(think),
         "thinking_tokens_p90": p90(think),
         "n": n,
         "problems": len({r.get("problem_id", r.get("id")) for r in records}),
-        "budget_compliance": mean(t <= r["budget_think_tokens"] for t, r in zip(think, records, strict=True)),
+        "budget_compliance": mean(within),
         "budget_think_tokens": mean(r["budget_think_tokens"] for r in records),
         "invalid_tool_calls": mean(r["reward_components"]["invalid_calls"] for r in records),
         "turns": mean(r["turns"] for r in records),
@@ -130,6 +137,13 @@ def cell_metrics(records: Sequence[dict]) -> dict:
         "forced_rate": mean(bool(r.get("forced")) for r in records),
         "think_difficulty_corr": pearson(think, [float(r.get("difficulty", 0)) for r in records]),
         "think_tokens_samples": think,
+        # per trajectory, aligned with think_tokens_samples: what paired comparisons between models need
+        "task_samples": task,
+        "problem_ids": problems,
+        # 95 % intervals (`openk3.stats`): Wilson for a 0/1 rate with one sample per problem, else the
+        # bootstrap over problems
+        "ci95": {"accuracy": list(rate_ci(task, problems)), "thinking_tokens": list(mean_ci(think, problems)),
+                 "budget_compliance": list(rate_ci(within, problems))},
     }
 
 

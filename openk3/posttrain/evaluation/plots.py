@@ -68,6 +68,13 @@ def acc_vs_tokens(models: dict, path: str | os.PathLike) -> None:
                     label=label)
             for e, c in pts:
                 ax.plot(c["thinking_tokens"], c["accuracy"], markers[e], color=color)
+                ci = c.get("ci95") or {}
+                if "accuracy" in ci and "thinking_tokens" in ci:  # 95 % intervals on both axes
+                    (alo, ahi), (tlo, thi) = ci["accuracy"], ci["thinking_tokens"]
+                    ax.errorbar(c["thinking_tokens"], c["accuracy"], fmt="none", ecolor=color, alpha=0.6,
+                                elinewidth=1, capsize=2,
+                                yerr=[[max(0.0, c["accuracy"] - alo)], [max(0.0, ahi - c["accuracy"])]],
+                                xerr=[[max(0.0, c["thinking_tokens"] - tlo)], [max(0.0, thi - c["thinking_tokens"])]])
         ax.set_xscale("symlog", linthresh=1.0)  # a model that never thinks sits at 0, which log cannot show
         ax.set_title(f"{domain}: accuracy vs thinking")
         ax.set_xlabel("mean think tokens (symlog)")
@@ -83,7 +90,7 @@ def acc_vs_tokens(models: dict, path: str | os.PathLike) -> None:
         handles.append(axes[0].plot([], [], mk, color="gray")[0])
         labels.append(e)
     axes[-1].legend(handles, labels, fontsize=7, loc="best")
-    fig.suptitle("Accuracy vs mean think tokens per cell (low v, high o, max ^)")
+    fig.suptitle("Accuracy vs mean think tokens per cell (low v, high o, max ^; bars: 95 % intervals)")
     save_png(fig, str(path))
 
 
@@ -110,6 +117,11 @@ def effort_separation(models: dict, path: str | os.PathLike) -> None:
                         body.set_alpha(0.5)
                     for key in ("cmedians", "cbars", "cmins", "cmaxes"):  # else they cycle colours of their own
                         parts[key].set_color(color)
+                ci = (c.get("ci95") or {}).get("thinking_tokens")
+                if ci:  # the mean and its 95 % interval beside the distribution
+                    mu = c["thinking_tokens"]
+                    ax.errorbar([x], [mu], yerr=[[max(0.0, mu - ci[0])], [max(0.0, ci[1] - mu)]], fmt="D",
+                                color="black", markersize=3, capsize=3, elinewidth=1)
             ax.plot([], [], "s", color=color, label=label)  # one legend entry per model
         ax.set_xticks(range(len(THINKING_EFFORTS)), THINKING_EFFORTS)
         ax.set_title(f"{domain}: think tokens per effort")
@@ -117,7 +129,7 @@ def effort_separation(models: dict, path: str | os.PathLike) -> None:
         ax.set_ylabel("think tokens per trajectory")
         ax.grid(True, axis="y", alpha=0.3)
     axes[-1].legend(fontsize=7, loc="best")
-    fig.suptitle("Effort separation: think-token distributions")
+    fig.suptitle("Effort separation: think-token distributions (black: mean, 95 % interval)")
     save_png(fig, str(path))
 
 

@@ -24,6 +24,7 @@ from openk3.posttrain.domains.budget import B_FLOOR
 from openk3.posttrain.domains.records import DOMAINS
 from openk3.posttrain.evaluation.evaluate import CELLS, MIN_N, MODEL_KEYS, evaluate, model_rows, parse_cells
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP
+from openk3.stats import ALPHA, ordered, paired, per_problem
 
 
 def _cell(m: dict, domain: str, effort: str) -> dict | None:
@@ -67,29 +68,73 @@ def _fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def _with_ci(c: dict | None, key: str, digits: int) -> str:
+    """'0.412 [0.35, 0.47]': the value and its 95 % interval when the cell has one."""
+    if c is None:
+        return "–"
+    ci = (c.get("ci95") or {}).get(key)
+    text = _fmt(c.get(key), digits)
+    return f"{text} [{_fmt(float(ci[0]), digits)}, {_fmt(float(ci[1]), digits)}]" if ci else text
+
+
 def _grid(rows: list[tuple[str, dict]], key: str, digits: int) -> list[str]:
     cells = [c for c in CELLS if any(_cell(m, *c.split("/")) for _, m in rows)]
     lines = ["| model | " + " | ".join(cells) + " |", "|---|" + "---:|" * len(cells)]
     for label, m in rows:
-        values = [(_cell(m, *c.split("/")) or {}).get(key) for c in cells]
-        lines.append(f"| {label} | " + " | ".join(_fmt(v, digits) for v in values) + " |")
+        lines.append(f"| {label} | " + " | ".join(_with_ci(_cell(m, *c.split("/")), key, digits) for c in cells)
+                     + " |")
     return lines
 
 
+def per_problem_scores(c: dict, key: str = "thinking_tokens") -> dict | None:
+    """{problem: mean of its samples} of a cell's think tokens (`key` "thinking_tokens") or task reward
+    ("accuracy"), for paired tests; None for a cell evaluated before the per-trajectory lists were kept."""
+    samples = c.get({"thinking_tokens": "think_tokens_samples", "accuracy": "task_samples"}[key])
+    problems = c.get("problem_ids")
+    if not samples or not problems or len(samples) != len(problems):
+        return None
+    return per_problem(samples, problems)
+
+
+def _without(text: str, suffix: str) -> str:
+    return text[:-len(suffix)] if text.endswith(suffix) else text
+
+
 def effort_ordering(m: dict) -> dict[str, bool | None]:
-    """Per domain: are mean think tokens strictly ordered low < high < max (None: not all three evaluated)."""
+    """Per domain: are think tokens ordered low < high < max, each step up a one-sided paired test over the
+    problems at 0.05 (`openk3.stats.ordered`; the efforts of a domain draw the same problems)? None: not all
+    three efforts evaluated, or no per-problem samples to test."""
     out: dict[str, bool | None] = {}
     for domain in DOMAINS:
         cells = [_cell(m, domain, e) for e in THINKING_EFFORTS]
         if any(c is not None for c in cells):
-            out[domain] = None if None in cells else all(
-                a["thinking_tokens"] < b["thinking_tokens"] for a, b in zip(cells, cells[1:]))
+            arms = None if None in cells else [per_problem_scores(c) for c in cells]
+            if arms is None or None in arms:
+                out[domain] = None
+                continue
+            # a problem's id ends in its cell's effort (".../l3/high"); the same problem under each effort pairs
+            arms = [{_without(p, f"/{e}"): v for p, v in a.items()} for a, e in zip(arms, THINKING_EFFORTS)]
+            try:
+                out[domain] = ordered(arms)[0]
+            except ValueError:  # no problem common to all three (a prompt effort that draws other problems)
+                out[domain] = None
     return out
+
+
+def beats(a: dict | None, b: dict | None, key: str = "accuracy") -> tuple[bool | None, str]:
+    """Whether cell metrics `a` beat `b` on `key`, paired over their shared problems (one-sided, 0.05), and the
+    difference with its interval as text; (None, why) when either lacks per-problem samples."""
+    pa, pb = (per_problem_scores(x, key) if x else None for x in (a, b))
+    if pa is None or pb is None:
+        return None, "no per-problem samples"
+    t = paired(pa, pb)
+    return t.p_greater < ALPHA, f"{t.estimate:+.3f} [{t.ci95[0]:+.3f}, {t.ci95[1]:+.3f}], p {t.p_greater:.3f}"
 
 
 def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
     """Issue 18's success criteria for a full report, as (criterion, met (None: cannot be judged), detail):
-    every teacher beats SFT on its own cell; think tokens strictly ordered low < high < max in every domain,
+    every teacher beats SFT on its own cell (a paired one-sided test, `beats`); think tokens ordered
+    low < high < max in every domain (paired tests, `effort_ordering`),
     for the teachers (each on its own cell) and for the student; the student recovers >= 90 % of each
     teacher's accuracy gain over SFT on its cell (cells where the teacher gained nothing cannot be judged).
     The merged model's recovery is reported beside the student's, not judged."""
@@ -98,10 +143,12 @@ def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
     base = {c: _cell(sft, *c.split("/")) for c in own}
     pairs = {c: (own[c]["accuracy"], base[c]["accuracy"]) for c in own if own[c] and base[c]}
     out: list[tuple[str, bool | None, str]] = []
-    beats = [c for c, (t, s) in pairs.items() if t > s]
-    out.append(("each teacher beats SFT on its own cell", (len(beats) == len(pairs)) if pairs else None,
-                f"{len(beats)} of {len(pairs)}" + (f"; not: {', '.join(c for c in pairs if c not in beats)}"
-                                                  if len(beats) < len(pairs) else "")))
+    tests = {c: beats(own[c], base[c]) for c in pairs}
+    won = [c for c, (v, _) in tests.items() if v]
+    judged = all(v is not None for v, _ in tests.values())
+    out.append(("each teacher beats SFT on its own cell (paired, one-sided 0.05)",
+                (len(won) == len(pairs)) if pairs and judged else None,
+                f"{len(won)} of {len(pairs)}: " + "; ".join(f"{c} {d}" for c, (_, d) in tests.items())))
     teachers_m: dict = {}  # an M of each teacher on its own cell, so `effort_ordering` reads it
     for c, cell in own.items():
         if cell is not None:
@@ -138,13 +185,15 @@ def report_markdown(models: dict, checkpoints: dict, settings: dict | None = Non
     if settings:
         lines += ["Settings: " + ", ".join(f"{k} = {v}" for k, v in settings.items()), ""]
     lines += ["Accuracy is the mean task reward (pass@1 over all samples); think tokens count the think channel "
-              "of every assistant turn; compliance is the share within the cell's budget B_e(x).", ""]
+              "of every assistant turn; compliance is the share within the cell's budget B_e(x). Brackets: 95 % "
+              "intervals (Wilson for a 0/1 rate with one sample per problem, else the bootstrap over problems). "
+              "\"Ordered\" and \"beats\" are one-sided paired tests over the same problems at 0.05.", ""]
     for title, key, digits in (("Accuracy", "accuracy", 3), ("Mean think tokens", "thinking_tokens", 1),
                                ("p90 think tokens", "thinking_tokens_p90", 0),
                                ("Budget compliance", "budget_compliance", 3),
                                ("Invalid tool calls per trajectory", "invalid_tool_calls", 2)):
         lines += [f"## {title}", "", *_grid(rows, key, digits), ""]
-    lines += ["## Effort ordering (mean think tokens low < high < max)", "",
+    lines += ["## Effort ordering (think tokens low < high < max, each step a paired one-sided test at 0.05)", "",
               "| model | " + " | ".join(DOMAINS) + " |", "|---|" + "---|" * len(DOMAINS)]
     for label, m in rows:
         order = effort_ordering(m)
@@ -166,8 +215,8 @@ def report_markdown(models: dict, checkpoints: dict, settings: dict | None = Non
         for cell in CELLS:
             c = _cell(m, *cell.split("/"))
             if c is not None:
-                lines.append(f"| {cell} | {_fmt(c['accuracy'])} | {_fmt(c['thinking_tokens'], 1)} | "
-                             f"{_fmt(c.get('thinking_tokens_p90'), 0)} | {_fmt(c.get('budget_compliance'))} | "
+                lines.append(f"| {cell} | {_with_ci(c, 'accuracy', 3)} | {_with_ci(c, 'thinking_tokens', 1)} | "
+                             f"{_fmt(c.get('thinking_tokens_p90'), 0)} | {_with_ci(c, 'budget_compliance', 3)} | "
                              f"{_fmt(c.get('invalid_tool_calls'), 2)} | {_fmt(c.get('turns'), 2)} | "
                              f"{_fmt(c.get('generated_tokens'), 1)} | {_fmt(c.get('format_failure_rate'))} | "
                              f"{c['n']} |")

@@ -12,14 +12,15 @@ Each step:
    (temperature 1, top-p 1; agent/coding prompts run in a forked sandbox, as in RL), with behaviour
    log-probs;
 3. the samples are grouped by teacher (`losses.route_teachers`: the teacher of each sample's own cell,
-   never an ensemble); each teacher scores exactly its samples by one float32 prefill, no sampling, no grad
-   (`teacher_logprobs`);
+   never an ensemble); each teacher scores exactly its samples by one float32 prefill, no sampling, no grad,
+   at the temperature it was RL-trained at (`teacher_temperature`, `training_temperature`; `teacher_logprobs`);
 4. A_t = clip(log pi_T - log pi_S,behaviour, -R, R) on the sampled tokens only (tool/env/prompt tokens are
-   masked; gaps under `adv_floor` count as agreement, `floor_gaps`), plus `alpha` * (task reward - group
+   masked; gaps under `adv_floor`, default 0, count as agreement, `floor_gaps`), plus `alpha` * (task reward - group
    mean) when alpha != 0 (`losses.mopd_loss`);
 5. loss = -sum_t m_t A_t rho_t / N_tokens, rho the ratio to the behaviour policy (1 on the first pass; with
    `ppo_epochs` > 1 the batch is reused with PPO's clipped ratio `ratio_clip`); one optimizer step per pass
-   (Muon + AdamW as in `rl`); the router's Quantile Balancing bias stays frozen.
+   (Muon + AdamW as in `rl`, scaled by the gradient norm, `onpolicy.signal_step`; none when no gap is open);
+   the router's Quantile Balancing bias stays frozen.
 
 The trainer forward, batches, optimizer, checkpoints and resume are `rl`'s (imported, not copied).
 Logged per step to <out>/metrics.jsonl: the batch's reverse-KL estimate (mean log pi_S,behaviour - log pi_T),
@@ -55,6 +56,7 @@ from openk3.posttrain.trainers.onpolicy import (
     drive,
     open_run,
     optimizer_for,
+    signal_step,
 )
 from openk3.posttrain.trainers.rl import make_batch, masked_mean, policy_backward, policy_logprobs, token_logprobs
 from openk3.posttrain.trainers.rollout import Problem, RolloutConfig, rollout
@@ -121,8 +123,12 @@ class MOPDConfig(OnPolicyConfig):
     alpha: float = 0.0  # outcome mixing A = A_MOPD + alpha (r - group mean) (MiMo); 0 = pure MOPD
     ppo_epochs: int = 1  # passes over each batch; > 1 reuses it with PPO's clipped ratio
     ratio_clip: tuple[float, float] = (0.2, 0.28)  # PPO clip (low, high) for passes after the first
-    # |log pi_T - log pi_S| below this is agreement (A_t = 0), not signal: see `floor_gaps`; 0 = K3's formula
-    adv_floor: float = 1e-3
+    # |log pi_T - log pi_S| below this is agreement (A_t = 0), not signal: see `floor_gaps`. 0 = K3's formula:
+    # with `update_ref` the rounding-size gaps of a matched teacher move the weights ~1e-6 of a step (measured)
+    adv_floor: float = 0.0
+    # the temperature each teacher's log-probs are taken at: None = the one it was RL-trained at (its run's
+    # rl_config.json; 1 when there is none); a number = that for every teacher (1.0: verl's choice, §5.4)
+    teacher_temperature: float | None = None
     think_cap: int | None = None  # think tokens per trajectory before it is cut (None: the context limit)
 
     def check(self) -> None:
@@ -147,6 +153,8 @@ class MOPDConfig(OnPolicyConfig):
             raise bad("clip", "> 0 (or None for no clip)")
         if not self.adv_floor >= 0:
             raise bad("adv_floor", ">= 0")
+        if self.teacher_temperature is not None and not self.teacher_temperature > 0:
+            raise bad("teacher_temperature", "> 0 or None")
         if self.alpha and self.group_size < 2:
             raise ValueError(f"mopd alpha={self.alpha!r} mixes an outcome advantage against the group mean: "
                              f"it needs group_size >= 2, got {self.group_size}")
@@ -198,11 +206,38 @@ def load_teachers(teachers: Mapping[str, str], cells: Sequence[str], student_fol
     return out
 
 
+def training_temperature(path: str | os.PathLike) -> float:
+    """The temperature the teacher at `path` sampled at in RL: its run's rl_config.json (`path` a run folder, or
+    a checkpoint inside one: <run>/checkpoints/step_N); 1.0 for a checkpoint no RL run made (SFT, a release).
+    A teacher's behaviour is its distribution at that temperature, so that is where MOPD scores it."""
+    from openk3.checkpoint.load import resolve_checkpoint
+    from openk3.fsutil import read_json
+
+    given = Path(path)
+    folder = resolve_checkpoint(path).resolve()
+    for run in (given, folder.parent.parent if folder.parent.name == "checkpoints" else None):
+        if run is not None and (run / "rl_config.json").is_file():
+            t = read_json(run / "rl_config.json").get("temperature", 1.0)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+                raise ValueError(f"{run / 'rl_config.json'}: temperature must be a number > 0, got {t!r}")
+            return float(t)
+    return 1.0
+
+
+def teacher_temperatures(cfg: MOPDConfig) -> dict[str, float]:
+    """{cell: the temperature its teacher is scored at} (`cfg.teacher_temperature`, or each one's own)."""
+    if cfg.teacher_temperature is not None:
+        return {c: float(cfg.teacher_temperature) for c in cfg.cells}
+    return {c: training_temperature(cfg.teachers[c]) for c in cfg.cells}
+
+
 @torch.no_grad()
 def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Mapping[str, Callable],
-                     micro_tokens: int | None = None) -> tuple[torch.Tensor, list[str]]:
+                     micro_tokens: int | None = None, temperatures: Mapping[str, float] | None = None
+                     ) -> tuple[torch.Tensor, list[str]]:
     """log pi_T of every next token [B, T-1] (float32, as `rl.make_batch` aligns targets), each row from the
-    teacher of its record's cell (`domain/effort`), and the rows' cells.
+    teacher of its record's cell (`domain/effort`) at that cell's temperature (`temperatures`, default 1), and
+    the rows' cells.
 
     A teacher is anything `token_logprobs` can call: ids [b, t] -> logits [b, t, V]. One prefill per teacher
     over exactly its rows, cut to their longest (right padding never changes earlier positions: causal), in
@@ -213,9 +248,10 @@ def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Ma
     for teacher, rows in losses.route_teachers(cells, teachers).values():
         n = max(len(records[b]["token_ids"]) for b in rows)
         per = len(rows) if micro_tokens is None else max(1, micro_tokens // n)
+        t = 1.0 if temperatures is None else temperatures[cells[rows[0]]]
         for i in range(0, len(rows), per):
             part = rows[i:i + per]
-            logp, _ = token_logprobs(teacher, ids_BT[part, :n])
+            logp, _ = token_logprobs(teacher, ids_BT[part, :n], t)
             out[part, :n - 1] = logp.float()
     return out, cells
 
@@ -224,11 +260,12 @@ def floor_gaps(teacher_BT: torch.Tensor, behaviour_BT: torch.Tensor, floor: floa
     """The teacher's log-probs with every gap |log pi_T - log pi_S| < `floor` closed (set to the student's), so
     `losses.mopd_advantage` gives exactly 0 there.
 
-    Why: sampler and trainer compute log-probs along different paths (cached decode vs a full forward), so even
-    a teacher identical to the student shows gaps of ~1e-6 nats. Muon (and Adam below its eps) is
-    scale-invariant: it turns a gradient of pure noise into a full learning-rate step (measured: a 6e-7
-    gradient norm moved weights by 0.9 lr). A gap under 1e-3 nats is a likelihood ratio within 0.1 %: no
-    distillation signal is lost, and a student that matches its teacher stays put."""
+    Sampler and trainer compute log-probs along different paths (cached decode vs a full forward), so even a
+    teacher identical to the student shows gaps of ~1e-6 nats. Before `update_ref` scaled steps by the
+    gradient norm, Muon turned that noise into a full learning-rate step (a 6e-7 gradient norm moved weights by
+    0.9 lr), and this floor (then 1e-3 by default) was the guard; now such a gradient moves them ~1e-6 of a
+    step, so the default is 0 (K3's formula) and the floor stays an option (a student that matches its teacher
+    then takes no step at all)."""
     if not floor:
         return teacher_BT
     return torch.where((teacher_BT - behaviour_BT).abs() < floor, behaviour_BT, teacher_BT)
@@ -259,20 +296,23 @@ def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: 
 
 
 def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teachers: Mapping[str, Callable],
-              tokenizer, roll_cfg: RolloutConfig, step: int) -> tuple[list[dict], dict]:
+              tokenizer, roll_cfg: RolloutConfig, step: int, temperatures: Mapping[str, float] | None = None
+              ) -> tuple[list[dict], dict]:
     """One MOPD step on `problems` (each with meta domain/effort): the student (`model`, which `engine` runs
     on) samples, the teachers score, `cfg.ppo_epochs` optimizer steps. Returns the rollout records (with
-    `teacher_cell`, `teacher_logprobs`) and the step's metrics (`step` is 0-based; metrics say step + 1)."""
+    `teacher_cell`, `teacher_logprobs`) and the step's metrics (`step` is 0-based; metrics say step + 1).
+    `temperatures`: {cell: the temperature its teacher scores at} (default 1; `distill` passes
+    `teacher_temperatures(cfg)`)."""
     if roll_cfg.group_size != cfg.group_size:
         raise ValueError(f"mopd_step: rollout group_size {roll_cfg.group_size} != the config's {cfg.group_size}")
     if roll_cfg.temperature != 1.0:
-        raise ValueError("mopd_step: the student samples at temperature 1 (the teachers score at 1, background §5.4)")
+        raise ValueError("mopd_step: the student samples at temperature 1 (its own distribution, background §5.4)")
     t0 = time.perf_counter()
     records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
     t1 = time.perf_counter()
     batch = make_batch(records)
     mask, behaviour = batch["mask_BT"], batch["behaviour_BT"]
-    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers, cfg.micro_tokens)
+    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers, cfg.micro_tokens, temperatures)
     t2 = time.perf_counter()
     floored = floor_gaps(teacher, behaviour, cfg.adv_floor)
     rewards = batch["rewards_B"] if cfg.alpha else None
@@ -285,7 +325,8 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     first: dict = {}
     if not signal:
         logp, entropy = policy_logprobs(model, batch["ids_BT"], mask, micro_tokens=cfg.micro_tokens)
-        first = {"loss": 0.0, "grad_norm": 0.0, "logp": logp, "entropy": entropy, "stats": {"adv_mean": 0.0}}
+        first = {"loss": 0.0, "grad_norm": 0.0, "update_scale": 0.0, "logp": logp, "entropy": entropy,
+                 "stats": {"adv_mean": 0.0}}
         last_ratio_clip = 0.0
     for epoch in range(cfg.ppo_epochs if signal else 0):
         def loss_fn(lp, epoch=epoch):
@@ -296,10 +337,9 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
         opt.zero_grad()
         loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], mask, loss_fn,
                                                      micro_tokens=cfg.micro_tokens)
-        grad_norm = opt.clip_grad_norm_()
-        opt.step()
+        grad_norm, scale = signal_step(opt, cfg.update_ref)
         if epoch == 0:  # the on-policy pass: what the sampled batch says about the student before any update
-            first = {"loss": float(loss), "grad_norm": float(grad_norm), "logp": logp,
+            first = {"loss": float(loss), "grad_norm": grad_norm, "update_scale": scale, "logp": logp,
                      "entropy": entropy, "stats": stats}
         last_ratio_clip = stats["ratio_clip_frac"]
     model.eval()
@@ -310,7 +350,8 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
         r["teacher_logprobs"] = teacher[b][mask[b]].tolist()
     n = len(records)
     hit = (rkl.abs() > cfg.clip) if cfg.clip is not None else torch.zeros_like(mask)
-    metrics = {"step": step + 1, "loss": first["loss"], "grad_norm": first["grad_norm"], "lr": cfg.lr,
+    metrics = {"step": step + 1, "loss": first["loss"], "grad_norm": first["grad_norm"],
+               "update_scale": first["update_scale"], "lr": cfg.lr,
                "skipped": int(not signal),
                "reverse_kl": masked_mean(rkl, mask), "clipped_frac": masked_mean(hit.float(), mask),
                "floored_frac": masked_mean((floored == behaviour).float(), mask),
@@ -390,6 +431,8 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
     if start >= cfg.steps:
         return {}
     teachers = load_teachers(cfg.teachers, cfg.cells, run.folder, model.config.vocab_size)
+    temperatures = teacher_temperatures(cfg)
+    report.info("teachers score at temperature " + ", ".join(f"{c} {t:g}" for c, t in temperatures.items()))
     torch.manual_seed(cfg.seed)
     opt = optimizer_for(model, cfg.lr, cfg.grad_clip, run.state)
     sources = _sources(cfg, tok, sandbox_options)
@@ -400,7 +443,7 @@ def distill(cfg: MOPDConfig, out_dir: str | os.PathLike, *, on_step: Callable[[i
 
     def step_fn(problems: list[Problem], step: int) -> tuple[list[dict], dict]:
         roll = RolloutConfig(seed=cfg.seed * 100_003 + step, **roll_cfg)
-        return mopd_step(cfg, model, opt, engine, problems, teachers, tok, roll, step)
+        return mopd_step(cfg, model, opt, engine, problems, teachers, tok, roll, step, temperatures)
 
     def line(m: dict) -> str:
         return (f"reverse KL {m['reverse_kl']:.4f}, clipped {m['clipped_frac']:.3f}, think {m['think_mean']:.1f}, "

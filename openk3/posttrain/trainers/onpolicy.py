@@ -65,6 +65,9 @@ class OnPolicyConfig:
     # loop
     seed: int = 0
     grad_clip: float | None = 1.0
+    # The gradient norm that earns a full learning-rate step; a smaller one takes a proportionally smaller step
+    # (`signal_step`). None: every step full size (Muon's fixed-norm update, a fresh AdamW's ~lr * sign(g)).
+    update_ref: float | None = 1.0
     save_every: int = 10
     max_num_seqs: int = 64
     max_model_len: int | None = None
@@ -91,6 +94,8 @@ class OnPolicyConfig:
                 raise self.bad(field, f"an integer >= {least}")
         if not self.lr > 0:
             raise self.bad("lr", "> 0")
+        if self.update_ref is not None and not (isinstance(self.update_ref, (int, float)) and self.update_ref > 0):
+            raise self.bad("update_ref", "> 0 or None")
         m = self.micro_tokens  # None: the whole batch at once
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
             raise ValueError(f"{self.KIND} micro_tokens must be an integer >= 2 or None, got {m!r}")
@@ -176,6 +181,24 @@ def optimizer_for(model: torch.nn.Module, lr: float, grad_clip: float, state: di
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
     return opt
+
+
+def signal_step(opt, update_ref: float | None) -> tuple[float, float]:
+    """Clip the gradients, then one optimizer step whose size follows the learning signal: the learning rate
+    times min(1, |g| / update_ref), |g| the global gradient norm before clipping. Returns (|g|, that scale).
+
+    Why: Muon orthogonalises its momentum, so its update has the same norm whatever the gradient's, and a
+    fresh AdamW's first update is about lr * sign(g); both turn a weak or noisy signal (a few groups with
+    varying rewards, teacher gaps of sampler/trainer rounding) into a full step. Scaling by the gradient norm
+    against a fixed reference makes a gradient k times smaller move the weights k times less (measured in
+    docs/posttraining.md, "Update size"), and a gradient at or above the reference take the ordinary step.
+    A running mean as the reference would adapt to a run whose signal is weak throughout, and has nothing to
+    compare the first step with; the fixed one has neither problem."""
+    grad_norm = float(opt.clip_grad_norm_())
+    scale = 1.0 if update_ref is None else min(1.0, grad_norm / update_ref)
+    opt.set_lr_multiplier(scale)
+    opt.step()
+    return grad_norm, scale
 
 
 def router_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -15,12 +15,14 @@ Each step:
    log-probs, so the tau * log-ratio term carries any sampler/trainer mismatch) or `grpo`
    (`losses.grpo_loss`: group baseline, PPO clip-higher, token mean over the batch's generated tokens,
    importance weights between the sampler's and the trainer's log-probs, `is_mode`);
-6. one optimizer step (Muon for matrices + AdamW, `openk3.train.optim`); the router's selection bias
+6. one optimizer step (Muon for matrices + AdamW, `openk3.train.optim`), its size scaled by the gradient norm
+   against `update_ref` (`onpolicy.signal_step`), none when no group's rewards vary; the router's selection bias
    (Quantile Balancing) is a buffer no RL step touches: it stays frozen (background §5.3).
 
 Logged per step to <out>/metrics.jsonl: reward, task reward, over-budget and format-failure rates, think
 length (mean, p90), budget, entropy of the trainer's distribution on generated tokens, mismatch KL
-(sampler vs trainer), zero-variance-group fraction, loss, gradient norm, the loss's own stats, timings.
+(sampler vs trainer), zero-variance-group fraction, loss, gradient norm, update scale, skipped, the loss's own
+stats, timings.
 <out>/rollouts/step_NNNNNN.jsonl keeps the step's rollout records. Checkpoints (<out>/checkpoints, release
 format + trainer_state.pt: optimizer, step, config, RNG) are atomic; a killed run resumes from the last one
 and continues exactly as the uninterrupted run would (problems and sampler seeds depend on the step only).
@@ -47,6 +49,7 @@ from openk3.posttrain.trainers.onpolicy import (
     drive,
     open_run,
     optimizer_for,
+    signal_step,
 )
 from openk3.posttrain.trainers.problems import ProblemSource
 from openk3.posttrain.trainers.rollout import RolloutConfig, rollout
@@ -270,18 +273,17 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
         loss, stats, logp, entropy = policy_backward(model, batch["ids_BT"], batch["mask_BT"],
                                                      lambda lp: compute_loss(cfg, lp, batch),
                                                      temperature=cfg.temperature, micro_tokens=cfg.micro_tokens)
-        grad_norm = opt.clip_grad_norm_()
-        opt.step()
+        grad_norm, scale = signal_step(opt, cfg.update_ref)
     else:  # the metrics still describe the batch under the (unchanged) policy
         logp, entropy = policy_logprobs(model, batch["ids_BT"], batch["mask_BT"], temperature=cfg.temperature,
                                         micro_tokens=cfg.micro_tokens)
-        loss, stats, grad_norm = torch.zeros(()), {}, torch.zeros(())
+        loss, stats, grad_norm, scale = torch.zeros(()), {}, 0.0, 0.0
     model.eval()
     mask = batch["mask_BT"]
     metrics = {"step": step + 1, **rollout_stats(records, roll_cfg.group_size), "loss": float(loss),
                "entropy": masked_mean(entropy, mask),
                "mismatch_kl": masked_mean(batch["behaviour_BT"] - logp, mask),
-               "grad_norm": float(grad_norm), "lr": cfg.lr, "skipped": int(not signal),
+               "grad_norm": grad_norm, "update_scale": scale, "lr": cfg.lr, "skipped": int(not signal),
                **{f"loss_{k}": v for k, v in stats.items() if isinstance(v, (int, float))},
                "rollout_s": t1 - t0, "train_s": time.perf_counter() - t1}
     return records, metrics
