@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("infer", "agent"),  # engine and LLM; sandboxes, tools, task families
     ("serve",),  # the OpenAI-compatible server
     ("posttrain",),  # SFT, RL, MOPD, merging, evaluation
+    ("experiments",),  # each claim as an experiment with a control and intervals
     ("commands", "openk3"),  # the CLI's commands; the public API
     ("__main__",),  # `python -m openk3` / the `openk3` door
 ]
@@ -40,6 +41,7 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: Inside a package with rooms, the same rule one level down (the rooms are listed in the package docstring).
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     "posttrain": [("domains",), ("trainers",), ("evaluation", "merge"), ("pipeline",)],
+    "experiments": [("tasks",), ("result",), ("rl_heldout", "mopd_vs_merge")],
 }
 
 

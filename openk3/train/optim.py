@@ -301,6 +301,9 @@ class OptimizerSet:
     def __init__(self, muon: Muon | None, adamw: torch.optim.AdamW | None, cfg: OptimConfig) -> None:
         self.muon, self.adamw, self.cfg = muon, adamw, cfg
         self.lr_multiplier = 1.0
+        # the running mean of the gradient norms of the steps taken, where a step's size follows its gradient's
+        # norm against it (on-policy RL/MOPD: `posttrain.trainers.onpolicy.signal_step`); None until then
+        self.grad_norm_mean: float | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -336,7 +339,7 @@ class OptimizerSet:
         every rank calls it), so a checkpoint is the same whatever the world size that wrote it."""
         return {"muon": _gathered(self.muon.state_dict()) if self.muon else None,
                 "adamw": _gathered(self.adamw.state_dict()) if self.adamw else None,
-                "lr_multiplier": self.lr_multiplier}
+                "lr_multiplier": self.lr_multiplier, "grad_norm_mean": self.grad_norm_mean}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a `state_dict()` (whole tensors); a sharded parameter keeps its own rows of each."""
@@ -347,6 +350,7 @@ class OptimizerSet:
                 opt.load_state_dict(sd[key])
                 _shard_like_params(opt)
         self.set_lr_multiplier(sd["lr_multiplier"])
+        self.grad_norm_mean = sd.get("grad_norm_mean")  # (absent from checkpoints written before it existed)
 
 
 def _gathered(sd: dict) -> dict:

@@ -44,8 +44,8 @@ from openk3.chat import CLOSE, SEP, THINKING_EFFORTS
 from openk3.posttrain.domains.budget import BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers.problems import ProblemSource
-from openk3.stats import mean_ci, rate_ci
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
+from openk3.stats import mean_ci, rate_ci
 
 #: Every cell, as "domain/effort" (the order of the report's tables and of the teachers' keys).
 CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)

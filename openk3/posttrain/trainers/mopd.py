@@ -233,17 +233,17 @@ def teacher_temperatures(cfg: MOPDConfig) -> dict[str, float]:
 
 @torch.no_grad()
 def teacher_logprobs(records: Sequence[dict], ids_BT: torch.Tensor, teachers: Mapping[str, Callable],
-                     micro_tokens: int | None = None, temperatures: Mapping[str, float] | None = None
-                     ) -> tuple[torch.Tensor, list[str]]:
+                     micro_tokens: int | None = None, temperatures: Mapping[str, float] | None = None,
+                     cells: Sequence[str] | None = None) -> tuple[torch.Tensor, list[str]]:
     """log pi_T of every next token [B, T-1] (float32, as `rl.make_batch` aligns targets), each row from the
     teacher of its record's cell (`domain/effort`) at that cell's temperature (`temperatures`, default 1), and
-    the rows' cells.
+    the rows' cells (`cells`: route row b to the teacher of cells[b] instead, a control arm's routing).
 
     A teacher is anything `token_logprobs` can call: ids [b, t] -> logits [b, t, V]. One prefill per teacher
     over exactly its rows, cut to their longest (right padding never changes earlier positions: causal), in
     chunks of at most `micro_tokens` padded tokens when given; positions past a row's end stay 0 (masked by
     the caller)."""
-    cells = [f"{r['domain']}/{r['effort']}" for r in records]
+    cells = [f"{r['domain']}/{r['effort']}" for r in records] if cells is None else list(cells)
     out = torch.zeros(ids_BT.shape[0], ids_BT.shape[1] - 1, dtype=torch.float32)
     for teacher, rows in losses.route_teachers(cells, teachers).values():
         n = max(len(records[b]["token_ids"]) for b in rows)
@@ -296,13 +296,14 @@ def _cell_stats(records: list[dict], cells: list[str], mask: torch.Tensor, rkl: 
 
 
 def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teachers: Mapping[str, Callable],
-              tokenizer, roll_cfg: RolloutConfig, step: int, temperatures: Mapping[str, float] | None = None
-              ) -> tuple[list[dict], dict]:
+              tokenizer, roll_cfg: RolloutConfig, step: int, temperatures: Mapping[str, float] | None = None,
+              route_fn: Callable[[list[str], int], list[str]] | None = None) -> tuple[list[dict], dict]:
     """One MOPD step on `problems` (each with meta domain/effort): the student (`model`, which `engine` runs
     on) samples, the teachers score, `cfg.ppo_epochs` optimizer steps. Returns the rollout records (with
     `teacher_cell`, `teacher_logprobs`) and the step's metrics (`step` is 0-based; metrics say step + 1).
     `temperatures`: {cell: the temperature its teacher scores at} (default 1; `distill` passes
-    `teacher_temperatures(cfg)`)."""
+    `teacher_temperatures(cfg)`). `route_fn(cells, step)`: the cell whose teacher scores each sample instead of
+    its own (an experiment's control arm: `openk3 experiment mopd-vs-merge` shuffles the routing)."""
     if roll_cfg.group_size != cfg.group_size:
         raise ValueError(f"mopd_step: rollout group_size {roll_cfg.group_size} != the config's {cfg.group_size}")
     if roll_cfg.temperature != 1.0:
@@ -312,7 +313,8 @@ def mopd_step(cfg: MOPDConfig, model, opt, engine, problems: list[Problem], teac
     t1 = time.perf_counter()
     batch = make_batch(records)
     mask, behaviour = batch["mask_BT"], batch["behaviour_BT"]
-    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers, cfg.micro_tokens, temperatures)
+    routed = None if route_fn is None else route_fn([f"{r['domain']}/{r['effort']}" for r in records], step)
+    teacher, cells = teacher_logprobs(records, batch["ids_BT"], teachers, cfg.micro_tokens, temperatures, routed)
     t2 = time.perf_counter()
     floored = floor_gaps(teacher, behaviour, cfg.adv_floor)
     rewards = batch["rewards_B"] if cfg.alpha else None

@@ -65,8 +65,8 @@ class OnPolicyConfig:
     # loop
     seed: int = 0
     grad_clip: float | None = 1.0
-    # The gradient norm that earns a full learning-rate step; a smaller one takes a proportionally smaller step
-    # (`signal_step`). None: every step full size (Muon's fixed-norm update, a fresh AdamW's ~lr * sign(g)).
+    # Steps scale with the gradient norm against its running mean, never against less than this (`signal_step`).
+    # None: every step full size (Muon's fixed-norm update, a fresh AdamW's ~lr * sign(g)).
     update_ref: float | None = 1.0
     save_every: int = 10
     max_num_seqs: int = 64
@@ -183,19 +183,29 @@ def optimizer_for(model: torch.nn.Module, lr: float, grad_clip: float, state: di
     return opt
 
 
+#: weight of the past in the running mean of gradient norms that `signal_step` compares each step's with (~10 steps)
+GRAD_NORM_EMA = 0.9
+
+
 def signal_step(opt, update_ref: float | None) -> tuple[float, float]:
     """Clip the gradients, then one optimizer step whose size follows the learning signal: the learning rate
-    times min(1, |g| / update_ref), |g| the global gradient norm before clipping. Returns (|g|, that scale).
+    times min(1, |g| / r), |g| the global gradient norm before clipping and r = max(update_ref, the running
+    mean of the norms of the steps taken before, `opt.grad_norm_mean`, EMA weight `GRAD_NORM_EMA`). Returns
+    (|g|, that scale). `update_ref` None: every step full size.
 
     Why: Muon orthogonalises its momentum, so its update has the same norm whatever the gradient's, and a
-    fresh AdamW's first update is about lr * sign(g); both turn a weak or noisy signal (a few groups with
-    varying rewards, teacher gaps of sampler/trainer rounding) into a full step. Scaling by the gradient norm
-    against a fixed reference makes a gradient k times smaller move the weights k times less (measured in
-    docs/posttraining.md, "Update size"), and a gradient at or above the reference take the ordinary step.
-    A running mean as the reference would adapt to a run whose signal is weak throughout, and has nothing to
-    compare the first step with; the fixed one has neither problem."""
+    fresh AdamW's first update is about lr * sign(g); both turn a weak or noisy signal (a few groups whose
+    rewards vary, teacher gaps of sampler/trainer rounding) into a full step. Against the running mean, a
+    gradient k times smaller than the run's recent ones moves the weights about k times less; `update_ref`
+    is the floor of that reference, the norm below which a gradient counts as weak even on the first step
+    and in a run whose signal is weak throughout (a matched MOPD teacher's ~1e-6 gaps give ~1e-6 of a step).
+    Measured: docs/experiments.md, "Update size"."""
     grad_norm = float(opt.clip_grad_norm_())
-    scale = 1.0 if update_ref is None else min(1.0, grad_norm / update_ref)
+    scale = 1.0
+    if update_ref is not None:
+        past = opt.grad_norm_mean
+        scale = min(1.0, grad_norm / max(update_ref, past or 0.0))
+        opt.grad_norm_mean = grad_norm if past is None else GRAD_NORM_EMA * past + (1 - GRAD_NORM_EMA) * grad_norm
     opt.set_lr_multiplier(scale)
     opt.step()
     return grad_norm, scale

@@ -251,7 +251,8 @@ def rollout_stats(records: list[dict], group_size: int) -> dict[str, float]:
 
 
 def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_cfg: RolloutConfig,
-            step: int) -> tuple[list[dict], dict]:
+            step: int, rewards_fn: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+            ) -> tuple[list[dict], dict]:
     """One RL step on `problems`: sample (through `engine`, which runs on `model`), reward, score in fp32,
     loss, optimizer step. Returns the rollout records and the step's metrics (`step` is 0-based; the
     metrics say step + 1, the number of steps of the run).
@@ -259,13 +260,18 @@ def rl_step(cfg: RLConfig, model, opt, engine, problems: list, tokenizer, roll_c
     A batch without a learning signal — every group's rewards equal, so every advantage is zero — takes no
     optimizer step (`"skipped": 1`, the weights and the optimizer state untouched): Muon's update has a fixed
     norm and a fresh AdamW's first one is about lr * sign(g), so stepping on the numerical residue of a zero
-    advantage would move every matrix as far as a real signal does."""
+    advantage would move every matrix as far as a real signal does.
+
+    `rewards_fn(rewards_B, step)`: what the loss sees instead of the batch's rewards (an experiment's control
+    arm: `openk3 experiment rl-heldout` shuffles them); the records and logged rewards stay the true ones."""
     if roll_cfg.group_size != cfg.group_size:
         raise ValueError(f"rl_step: rollout group_size {roll_cfg.group_size} != the loss's {cfg.group_size}")
     t0 = time.perf_counter()
     records = rollout(engine, problems, tokenizer, roll_cfg, policy_version=step)
     t1 = time.perf_counter()
     batch = make_batch(records)
+    if rewards_fn is not None:
+        batch["rewards_B"] = rewards_fn(batch["rewards_B"], step)
     signal = losses.rewards_vary(batch["rewards_B"], cfg.group_size)
     model.train()
     if signal:

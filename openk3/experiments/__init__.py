@@ -1,0 +1,44 @@
+"""Experiments: each claim of the project as a run with a control and a 95 % interval (issue 30, item 3).
+
+    openk3 experiment --list
+    openk3 experiment rl-heldout --profile smoke --seed 0 --out runs/exp/rl-heldout
+
+    from openk3.experiments import run_experiment
+    result = run_experiment("mopd-vs-merge", "smoke", seed=0, out="runs/exp/mopd")   # the result.json dict
+
+An experiment module has NAME, CLAIM, METRIC, PROFILES and `run(profile, seed, say) -> result.Result`; the
+shared part (the result schema, the verdict rule, result.json and result.png) is `result.py`, the smoke
+profiles' tiny model and tasks `tasks.py`. Rooms, bottom to top: tasks, result, then the experiments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+#: name -> module; the order of `openk3 experiment --list`
+EXPERIMENTS = {
+    "rl-heldout": "openk3.experiments.rl_heldout",
+    "mopd-vs-merge": "openk3.experiments.mopd_vs_merge",
+}
+
+
+def experiment(name: str) -> ModuleType:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r} (experiments: {', '.join(EXPERIMENTS)})")
+    return importlib.import_module(EXPERIMENTS[name])
+
+
+def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, say=None) -> dict:
+    """Run experiment `name` at `profile` with `seed`, write out/result.json and out/result.png; returns the
+    JSON form. `say(line)`: progress (default: the "[experiment]" reporter)."""
+    from openk3.experiments.result import write_result
+
+    module = experiment(name)
+    if say is None:
+        from openk3.log import reporter
+
+        say = reporter("experiment").info
+    result = module.run(profile, seed, say)
+    return write_result(result, out)
