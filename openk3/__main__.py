@@ -37,7 +37,7 @@ COMMANDS = {
     "chat": "chat with a checkpoint in the XTML format: thinking, multi-turn, tool calls (stdin lines)",
     "serve": "OpenAI-compatible HTTP server over a checkpoint: chat and completions, streaming, tool calls",
     "posttrain": "the whole post-training pipeline: SFT, RL teachers per domain x effort, MOPD student, merge, eval",
-    "experiment": "run a claim of the project as an experiment with a control: result.json with 95 % intervals",
+    "experiment": "run a claim of the project as an experiment with a control: result.json with 95-percent intervals",
     "merge": "merge fine-tuned checkpoints that share a base: linear, task arithmetic, TIES, DARE, Model Stock",
     "plan": "memory, devices, speed and $ of serving/training a config on real hardware; --audit of K3 claims",
 }

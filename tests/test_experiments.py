@@ -95,3 +95,22 @@ def test_mopd_vs_merge_smoke_is_supported_and_merges_stay_near_chance(tmp_path):
         if name.startswith("merge: "):  # no merge can follow a tag neither teacher reads: about chance
             assert abs(sum(per.values()) / len(per) - 0.5) < 0.15, (name, per)
     assert d["details"]["vs_best_merge"]["ci95"][0] > 0
+
+
+def test_a_requirement_that_fails_makes_the_claim_not_supported():
+    up = {f"p{k}": 1.0 for k in range(30)}
+    flat = {f"p{k}": 0.0 for k in range(30)}
+    r = result.Result("x", "c", "m", "smoke", [0], treatment=result.arm(up, flat), control=result.arm(flat, flat),
+                      effect=result.arm(up, flat),
+                      requirements={"cut >= 30 %": {"holds": False, "detail": "cut 0.1"}})
+    assert r.effect["ci95"][0] > 0 and r.to_dict()["verdict"] == "not supported"
+    r.requirements["cut >= 30 %"]["holds"] = True
+    assert r.to_dict()["verdict"] == "supported"
+
+
+def test_turn_ids_are_what_the_parser_reads_back():
+    from openk3.posttrain.trainers.rollout import parse_turn
+
+    ids = tasks.turn_ids("....", "7")
+    message = parse_turn(ids, tasks.TOK)
+    assert message["reasoning_content"] == "...." and message["content"] == "7"

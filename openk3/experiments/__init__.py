@@ -6,7 +6,8 @@
     from openk3.experiments import run_experiment
     result = run_experiment("mopd-vs-merge", "smoke", seed=0, out="runs/exp/mopd")   # the result.json dict
 
-An experiment module has NAME, CLAIM, METRIC, PROFILES and `run(profile, seed, say) -> result.Result`; the
+An experiment module has NAME, CLAIM, METRIC, PROFILES and `run(profile, seed, say) -> result.Result` (called
+with one of its PROFILES); the
 shared part (the result schema, the verdict rule, result.json and result.png) is `result.py`, the smoke
 profiles' tiny model and tasks `tasks.py`. Rooms, bottom to top: tasks, result, then the experiments.
 """
@@ -21,6 +22,7 @@ from types import ModuleType
 EXPERIMENTS = {
     "rl-heldout": "openk3.experiments.rl_heldout",
     "mopd-vs-merge": "openk3.experiments.mopd_vs_merge",
+    "effort-budget": "openk3.experiments.effort_budget",
 }
 
 
@@ -36,6 +38,8 @@ def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, s
     from openk3.experiments.result import write_result
 
     module = experiment(name)
+    if profile not in module.PROFILES:
+        raise ValueError(f"{name}: profile {profile!r} is not available (available: {', '.join(module.PROFILES)})")
     if say is None:
         from openk3.log import reporter
 

@@ -160,14 +160,10 @@ def tuned_merges(base: dict, teachers: dict, seed: int, val, val_routed, say) ->
 
 
 def run(profile: str, seed: int, say) -> Result:
-    if profile not in PROFILES:
-        raise ValueError(f"{NAME}: profile {profile!r} is not available (available: {', '.join(PROFILES)})")
     s = SMOKE
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    train = tasks.tagged_items(s["train"], "train", seed)
-    val = tasks.tagged_items(s["val"], "val", seed)
-    test = tasks.tagged_items(s["test"], "test", seed)
+    train, val, test = tasks.splits(tasks.tagged_items, s, seed)
     base_model = make_base(seed, train, val, s, say)
     base = copy.deepcopy(base_model.state_dict())
     teachers = {c: make_teacher(base, seed, c, train, val, s, say) for c in ANSWER}

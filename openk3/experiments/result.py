@@ -10,9 +10,10 @@ arm's change from the same start, `effect` their difference; all three are paire
 problems (`openk3.stats.paired`: the mean difference per problem, bootstrapped over problems), signed so
 that a positive effect supports the claim.
 
-The verdict rule: `supported` when the effect's whole 95 % interval is above zero, `not supported`
-otherwise; `inconclusive` only when the experiment could not measure, with a `reason`. The control arm gets
-the same rule applied to its own change (`control.verdict`): a working control is "not supported".
+The verdict rule: `supported` when the effect's whole 95 % interval is above zero (and every one of the
+experiment's `requirements` holds, where it states more than an effect), `not supported` otherwise;
+`inconclusive` only when the experiment could not measure, with a `reason`. The control arm gets the same
+rule applied to its own change (`control.verdict`): a working control is "not supported".
 """
 
 from __future__ import annotations
@@ -56,10 +57,17 @@ class Result:
     baselines: dict = dataclasses.field(default_factory=dict)  # other arms (merges, ...): {name: change}
     details: dict = dataclasses.field(default_factory=dict)  # the experiment's own numbers (start, per cell...)
     settings: dict = dataclasses.field(default_factory=dict)
+    # conditions of the claim besides the effect (effort-budget: the cut is >= 30 %, no accuracy loss):
+    # {name: {"holds": bool, "detail": str}}; "supported" needs every one
+    requirements: dict = dataclasses.field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
-        return "inconclusive" if self.reason else verdict_of(self.effect["ci95"])
+        if self.reason:
+            return "inconclusive"
+        if not all(r["holds"] for r in self.requirements.values()):
+            return "not supported"
+        return verdict_of(self.effect["ci95"])
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

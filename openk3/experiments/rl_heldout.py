@@ -17,12 +17,12 @@ Smoke profile (one CPU core, ~1-2 minutes):
 from __future__ import annotations
 
 import copy
-import random
 import time
 
 import torch
 
 from openk3.experiments import tasks
+from openk3.experiments.arms import rl_arm
 from openk3.experiments.result import Result, arm
 
 NAME = "rl-heldout"
@@ -45,45 +45,26 @@ def mean(scores: dict[str, float]) -> float:
     return sum(scores.values()) / len(scores)
 
 
-def rl_arm(start: dict, seed: int, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
+def rl_run(start: dict, seed: int, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
     """The RL run from the `start` weights; `shuffle`: the control's permuted rewards."""
-    from openk3.infer.engine import Engine
-    from openk3.posttrain.trainers.rl import RLConfig, rl_step
-    from openk3.posttrain.trainers.rollout import Problem, RolloutConfig
-
-    model = tasks.tiny_k3(seed)
-    model.load_state_dict(start)
-    cfg = RLConfig(model="(in memory)", group_size=s["group_size"], loss="kimi", lr=s["rl_lr"],
-                   prompts_per_step=s["prompts_per_step"], steps=s["steps"], seed=seed)
-    opt = tasks.optimizer(model, cfg.lr)
-    engine = Engine(model, None, max_num_seqs=cfg.prompts_per_step * cfg.group_size)
-    draw = random.Random(f"rl-heldout|{seed}")
+    from openk3.posttrain.trainers.rollout import Problem
 
     def permute(rewards_B: torch.Tensor, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 100_003 + step)
         return rewards_B[torch.randperm(rewards_B.shape[0], generator=g)]
 
-    for step in range(cfg.steps):
-        items = [train[k] for k in draw.sample(range(len(train)), cfg.prompts_per_step)]
-        problems = [Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn, a=it.answer: float(
-            turn["ids"][0] == a)) for it in items]
-        roll = RolloutConfig(group_size=cfg.group_size, seed=seed * 100_003 + step, extra_stop_ids=tasks.ONE_TOKEN)
-        _, m = rl_step(cfg, model, opt, engine, problems, tasks.TOK, roll, step, permute if shuffle else None)
-        if (step + 1) % 10 == 0:
-            say(f"{'control' if shuffle else 'treatment'} step {step + 1}/{cfg.steps}: reward {m['reward']:.3f}, "
-                f"update scale {m['update_scale']:.2f}, skipped {m['skipped']}")
-    return model
+    def problem(it, step: int) -> Problem:
+        return Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn: float(turn["ids"][0] == it.answer))
+
+    return rl_arm(start, seed, train, s, name=NAME, problem=problem, label="control" if shuffle else "treatment",
+                  say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN), rewards_fn=permute if shuffle else None)
 
 
 def run(profile: str, seed: int, say) -> Result:
-    if profile not in PROFILES:
-        raise ValueError(f"{NAME}: profile {profile!r} is not available (available: {', '.join(PROFILES)})")
     s = SMOKE
     t0 = time.perf_counter()
     torch.manual_seed(seed)
-    train = tasks.digit_items(s["train"], "train", seed)
-    val = tasks.digit_items(s["val"], "val", seed)
-    test = tasks.digit_items(s["test"], "test", seed)
+    train, val, test = tasks.splits(tasks.digit_items, s, seed)
     model = tasks.tiny_k3(seed)
     history: list[tuple[int, float]] = []
 
@@ -97,8 +78,8 @@ def run(profile: str, seed: int, say) -> Result:
     say(f"SFT start: {steps} steps, validation accuracy {start_val:.3f}")
     start = copy.deepcopy(model.state_dict())
     base = accuracy(model, test)
-    treated = accuracy(rl_arm(start, seed, train, s, False, say), test)
-    control = accuracy(rl_arm(start, seed, train, s, True, say), test)
+    treated = accuracy(rl_run(start, seed, train, s, False, say), test)
+    control = accuracy(rl_run(start, seed, train, s, True, say), test)
     say(f"held-out accuracy: start {mean(base):.3f}, treatment {mean(treated):.3f}, control {mean(control):.3f}")
     reason = None if start_val >= s["start_at"] else (
         f"the SFT start never reached {s['start_at']:.0%} validation accuracy in {steps} steps")

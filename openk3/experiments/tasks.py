@@ -73,6 +73,11 @@ def digit_items(n: int, split: str, seed: int = 0) -> list[Item]:
     return _draw(split, n, seed, make, "digit")
 
 
+def splits(make: Callable[[int, str, int], list[Item]], sizes: dict, seed: int) -> tuple[list[Item], ...]:
+    """(train, val, test) items of a task (`digit_items`, `tagged_items`), `sizes["train"]` etc. of each."""
+    return tuple(make(sizes[split], split, seed) for split in ("train", "val", "test"))
+
+
 TAGS = {"general/low": "lo:", "general/high": "hi:"}  # the effort tag a prompt starts with (same length)
 
 
@@ -86,6 +91,23 @@ def tagged_items(n: int, split: str, seed: int = 0) -> list[Item]:
         return TAGS[cell] + "".join(chr(97 + rng.randrange(26)) for _ in range(FILLER)), -1, cell
 
     return _draw(split, n, seed, make, "tagged")
+
+
+def turn_ids(reasoning: str, content: str) -> list[int]:
+    """The ids a model generates for an assistant turn with this think text and response, after a prompt that
+    ends in the think opening (XTML, the byte tokenizer: think text, close, the response channel, end)."""
+    from openk3.chat import encode_segments, render
+
+    user = [{"role": "user", "content": "x"}]
+
+    def ids(messages: list[dict], prompt: bool) -> list[int]:
+        return encode_segments(render({"messages": messages, "tools": [], "thinking_effort": "high",
+                                       "add_generation_prompt": prompt}), TOK).ids
+
+    before = ids(user, True)
+    after = ids([*user, {"role": "assistant", "reasoning_content": reasoning, "content": content}], False)
+    assert after[:len(before)] == before and before[-len(THINK_OPEN):] == THINK_OPEN
+    return after[len(before):]
 
 
 def tiny_k3(seed: int, layers: int = 2):
@@ -136,25 +158,30 @@ def first_token_mass(model, prompts: Sequence[Sequence[int]], tokens: Sequence[i
     return total / len(prompts)
 
 
-def supervise(model, prompts: Sequence[Sequence[int]], answers: Sequence[int], *, steps: int, lr: float, seed: int,
-              batch: int = 32, every: int = 0, stop: Callable[[int], bool] | None = None) -> int:
-    """Supervised steps on the answer token (cross-entropy at each prompt's last position), batches drawn with
-    `seed`; `stop(step)` is asked every `every` steps and ends the training when true. Returns the steps taken."""
+def supervise(model, prompts: Sequence[Sequence[int]], answers: Sequence[int | Sequence[int]], *, steps: int,
+              lr: float, seed: int, batch: int = 32, every: int = 0, stop: Callable[[int], bool] | None = None) -> int:
+    """Supervised steps on what follows each prompt: a token id, or a list of ids (a whole turn), by
+    cross-entropy summed over the answer's tokens and averaged over the batch (right padding, causal, so
+    padding changes nothing before it); batches drawn with `seed`; `stop(step)` is asked every `every` steps
+    and ends the training when true. Returns the steps taken."""
     opt = optimizer(model, lr)
     rng = random.Random(seed)
+    targets = [[a] if isinstance(a, int) else list(a) for a in answers]
     for step in range(1, steps + 1):
         rows = [rng.randrange(len(prompts)) for _ in range(batch)]
-        by_len: dict[int, list[int]] = {}
-        for r in rows:
-            by_len.setdefault(len(prompts[r]), []).append(r)
+        T = max(len(prompts[r]) + len(targets[r]) for r in rows)
+        ids = torch.zeros(batch, T, dtype=torch.long)
+        labels = torch.full((batch, T - 1), -100, dtype=torch.long)  # labels[t] is the token at t + 1
+        for b, r in enumerate(rows):
+            p, a = list(prompts[r]), targets[r]
+            ids[b, :len(p) + len(a)] = torch.tensor(p + a)
+            labels[b, len(p) - 1:len(p) - 1 + len(a)] = torch.tensor(a)
         model.train()
         opt.zero_grad()
-        for group in by_len.values():
-            ids = torch.tensor([list(prompts[r]) for r in group])
-            logits = model(ids)[:, -1].float()
-            loss = torch.nn.functional.cross_entropy(logits, torch.tensor([answers[r] for r in group]),
-                                                     reduction="sum") / batch
-            loss.backward()
+        logits = model(ids)[:, :-1].float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100, reduction="sum") / batch
+        loss.backward()
         opt.clip_grad_norm_()
         opt.step()
         model.eval()

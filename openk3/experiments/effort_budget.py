@@ -1,0 +1,126 @@
+"""`openk3 experiment effort-budget`: RL with thinking budgets cuts thinking tokens by >= 30 % at no accuracy
+loss beyond the interval, against the same RL without budgets (background §3.10).
+
+Smoke profile (one CPU core, a few minutes):
+1. a tiny K3 (`tasks.tiny_k3`) is fine-tuned on whole turns for the digit task (`tasks.digit_items`): a think
+   channel of 2-14 dots, then the answer (d + 1) mod 10 in the response channel (`tasks.turn_ids`), until
+   >= 60 % of its greedy validation answers are right (checked every 5 steps): the SFT start, thinking a
+   length that carries no information;
+2. two RL runs from that start, identical but for the budget: `rl_step` (K2's loss, groups of 8, 8 prompts
+   per step, 25 steps, the same problems and sampler seeds; reward 1 for the right answer), the treatment with
+   a think budget of 5 tokens (a trajectory stops at 6 think tokens with reward -1, as `openk3 rl` budgets do),
+   the control with none (only a compute cap at 48 think tokens, scored 0 like any truncation);
+3. greedy turns (no budget; a think cap of 64, as evaluation keeps one) on 300 held-out prompts: think tokens
+   and accuracy per prompt.
+   The metric is think tokens saved from the start, paired per prompt; the effect is the treatment's saving
+   minus the control's. Requirements: the treatment thinks >= 30 % less than the control, and the
+   treatment-minus-control accuracy difference's 95 % interval reaches 0 (no loss beyond the interval).
+
+The dots carry no information, so the smoke shows the mechanism (a budget shortens thinking without costing
+the answer) and not that budgets keep useful reasoning: that is the full profile's question (not built yet).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import torch
+
+from openk3.experiments import tasks
+from openk3.experiments.arms import rl_arm
+from openk3.experiments.result import Result, arm
+from openk3.stats import paired
+
+NAME = "effort-budget"
+CLAIM = ("RL with thinking budgets cuts thinking tokens by >= 30 % at no accuracy loss beyond the interval, "
+         "against the same RL without budgets")
+METRIC = "greedy think tokens saved per held-out prompt"
+PROFILES = ("smoke",)
+
+SMOKE = dict(train=2000, val=64, test=300, think=(2, 14), sft_lr=2e-3, sft_at=0.6, sft_max_steps=400,
+             rl_lr=1e-3, steps=25, prompts_per_step=8, group_size=8, budget=5, think_cap=48, eval_cap=64,
+             response_cap=64, cut=0.30)
+
+
+def greedy_turns(model, items, s: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """({item id: think tokens}, {item id: 1.0 if the answer is right}) of greedy turns without a budget (a
+    turn still thinking at `eval_cap` is stopped there and scored 0, as `openk3 eval`'s think cap does)."""
+    from openk3.infer.engine import Engine
+    from openk3.posttrain.trainers.rollout import Problem, RolloutConfig, rollout
+
+    engine = Engine(model, None, max_num_seqs=min(256, len(items)))
+    problems = [Problem(it.id, it.prompt, budget=s["eval_cap"], score=_scorer(it)) for it in items]
+    records = rollout(engine, problems, tasks.TOK, RolloutConfig(group_size=1, temperature=1e-6, logprobs=False,
+                                                                 response_cap=s["response_cap"],
+                                                                 over_budget_reward=0.0))
+    think = {r["problem_id"]: float(r["think_tokens"]) for r in records}
+    right = {r["problem_id"]: float(r["reward_components"]["task"]) for r in records}
+    return think, right
+
+
+def _scorer(item):
+    want = tasks.TOK.decode([item.answer])
+    return lambda turn: float((turn["message"].get("content") or "").strip() == want)
+
+
+def rl_run(start: dict, seed: int, train, s: dict, budget: int | None, say) -> torch.nn.Module:
+    """RL from `start` with a think `budget` (over it: stopped, reward -1), or with none (None: only the compute
+    cap `think_cap`, far above the budget, which stops a trajectory and scores it 0 like any truncation)."""
+    from openk3.posttrain.trainers.rollout import Problem
+
+    def problem(it, step: int) -> Problem:
+        return Problem(f"{it.id}@{step}", it.prompt, budget=budget or s["think_cap"], score=_scorer(it))
+
+    roll = dict(response_cap=s["response_cap"], **({} if budget else {"over_budget_reward": 0.0}))
+    return rl_arm(start, seed, train, s, name=NAME, problem=problem, label="budget" if budget else "no budget",
+                  say=say, roll=roll)
+
+
+def run(profile: str, seed: int, say) -> Result:
+    s = SMOKE
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    train, val, test = tasks.splits(tasks.digit_items, s, seed)
+    rng = random.Random(f"think|{seed}")
+    lo, hi = s["think"]
+    turns = [tasks.turn_ids("." * rng.randint(lo, hi), tasks.TOK.decode([it.answer])) for it in train]
+    model = tasks.tiny_k3(seed)
+    reached: list[float] = []
+
+    def done(step: int) -> bool:
+        reached.append(sum(greedy_turns(model, val, s)[1].values()) / len(val))
+        return reached[-1] >= s["sft_at"]
+
+    steps = tasks.supervise(model, [i.prompt for i in train], turns, steps=s["sft_max_steps"], lr=s["sft_lr"],
+                            seed=seed, every=5, stop=done)
+    say(f"SFT start: {steps} steps, validation accuracy {reached[-1] if reached else 0:.3f}")
+    start = copy.deepcopy(model.state_dict())
+    think0, acc0 = greedy_turns(model, test, s)
+    arms = {}
+    for name, budget in (("budget", s["budget"]), ("no budget", None)):
+        arms[name] = greedy_turns(rl_run(start, seed, train, s, budget, say), test, s)
+    (think_t, acc_t), (think_c, acc_c) = arms["budget"], arms["no budget"]
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+    cut = 1 - mean(think_t) / mean(think_c) if mean(think_c) else 0.0
+    accuracy = paired(acc_t, acc_c, seed=seed)
+    say(f"held-out think tokens: start {mean(think0):.2f}, budget {mean(think_t):.2f}, no budget {mean(think_c):.2f} "
+        f"(cut {cut:.0%}); accuracy {mean(acc0):.3f} / {mean(acc_t):.3f} / {mean(acc_c):.3f}")
+    requirements = {
+        f"thinks >= {s['cut']:.0%} less than the control": {"holds": cut >= s["cut"], "detail": f"cut {cut:.3f}"},
+        "no accuracy loss beyond the interval (budget - no budget)": {
+            "holds": accuracy.ci95[1] >= 0,
+            "detail": f"{accuracy.estimate:+.3f} [{accuracy.ci95[0]:+.3f}, {accuracy.ci95[1]:+.3f}]"}}
+    reason = None if reached and reached[-1] >= s["sft_at"] else (
+        f"the SFT start never reached {s['sft_at']:.0%} validation accuracy in {steps} steps")
+    return Result(NAME, CLAIM, METRIC, profile, [seed], treatment=arm(think0, think_t, seed=seed),
+                  control=arm(think0, think_c, seed=seed, name="the same RL without budgets"),
+                  effect=arm(think_c, think_t, seed=seed), seconds=time.perf_counter() - t0, reason=reason,
+                  requirements=requirements,
+                  details={"think_tokens": {"start": mean(think0), "budget": mean(think_t),
+                                            "no budget": mean(think_c)},
+                           "accuracy": {"start": mean(acc0), "budget": mean(acc_t), "no budget": mean(acc_c)},
+                           "accuracy_budget_minus_control": accuracy.to_dict(), "cut": cut, "sft_steps": steps,
+                           "sft_val_history": reached},
+                  settings=dict(s))
