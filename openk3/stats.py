@@ -141,3 +141,40 @@ def ordered(arms: Sequence[Mapping[Hashable, float]], *, seed: int = 0, alpha: f
     returns (verdict, [Paired of arms[i+1] - arms[i]])."""
     tests = [paired(hi, lo, seed=seed) for lo, hi in zip(arms, arms[1:])]
     return all(t.p_greater < alpha for t in tests), tests
+
+
+@dataclass(frozen=True)
+class Share:
+    """(a - start) / (target - start) over shared problems: the share of the target's gain that `a` closes, its
+    95 % interval and its one-sided lower bound at ALPHA (the bootstrap's 5th percentile), from resamples of
+    problems (those where the target's gain is 0 are left out); None where the gain is 0 in the data."""
+
+    estimate: float
+    ci95: tuple[float, float]
+    lower: float
+    n: int
+
+
+def gap_closed(a: Mapping[Hashable, float], start: Mapping[Hashable, float], target: Mapping[Hashable, float], *,
+               seed: int = 0, resamples: int = B_DEFAULT) -> Share | None:
+    """The share of `target`'s gain over `start` that `a` closes, paired over the problems all three share."""
+    shared = [p for p in a if p in start and p in target]
+    if not shared:
+        raise ValueError("gap_closed: the three arms share no problem")
+    num = [float(a[p]) - float(start[p]) for p in shared]
+    den = [float(target[p]) - float(start[p]) for p in shared]
+    n = len(shared)
+    if sum(den) == 0:
+        return None
+    estimate = sum(num) / sum(den)
+    rng = random.Random(seed)
+    shares = []
+    for _ in range(resamples):
+        rows = [rng.randrange(n) for _ in range(n)]
+        d = sum(den[i] for i in rows)
+        if d != 0:
+            shares.append(sum(num[i] for i in rows) / d)
+    shares.sort()
+    if not shares:
+        return Share(estimate, (estimate, estimate), estimate, n)
+    return Share(estimate, (_quantile(shares, 0.025), _quantile(shares, 0.975)), _quantile(shares, ALPHA), n)

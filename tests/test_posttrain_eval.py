@@ -258,8 +258,8 @@ def test_success_criteria_judge_the_issue_18_rules():
     assert met is True and detail.startswith("9 of 9: general/low +0.500 [")
     assert verdicts["teachers' think tokens low < high < max in every domain"][0] is True
     assert verdicts["student's think tokens low < high < max in every domain"][0] is True
-    met, detail = verdicts["student recovers >= 90 % of each teacher's gain over SFT"]
-    assert met is False and "general/low 50 %" in detail
+    met, detail = verdicts["student recovers >= 90 % of each teacher's gain over SFT (one-sided lower bound, 0.05)"]
+    assert met is False and "general/low 50 % [" in detail
     met, detail = verdicts["merged: share of each teacher's gain over SFT (reported)"]
     assert met is None and "coding/max 25 %" in detail
     models["student"] = synthetic_m({c: 0.75 for c in ev.CELLS} | {"agent/low": 0.6875}, 4)  # 0.6875: 87.5 %

@@ -67,3 +67,17 @@ def test_paired_tests_use_the_pairing():
 def test_the_bootstrap_is_deterministic():
     values = [random.Random(3).random() for _ in range(50)]
     assert stats.mean_ci(values, seed=7) == stats.mean_ci(values, seed=7)
+
+
+def test_gap_closed_is_a_paired_share_with_a_one_sided_bound():
+    start = {f"p{k}": 0.0 for k in range(40)}
+    target = {f"p{k}": float(k < 20) for k in range(40)}  # the target gains 0.5
+    half = {f"p{k}": float(k < 10) for k in range(40)}  # closes half of it
+    share = stats.gap_closed(half, start, target)
+    assert share.estimate == pytest.approx(0.5) and share.ci95[0] < 0.5 < share.ci95[1]
+    assert share.ci95[0] <= share.lower <= 0.5 and share.n == 40
+    full = stats.gap_closed(target, start, target)
+    assert full.estimate == 1.0 and full.ci95 == (1.0, 1.0) and full.lower == 1.0
+    assert stats.gap_closed(half, start, start) is None  # no gain to close
+    with pytest.raises(ValueError, match="share no problem"):
+        stats.gap_closed({"x": 1.0}, start, target)

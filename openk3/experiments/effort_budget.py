@@ -8,7 +8,8 @@ Smoke profile (one CPU core, a few minutes):
    length that carries no information;
 2. two RL runs from that start, identical but for the budget: `rl_step` (K2's loss, groups of 8, 8 prompts
    per step, 25 steps, the same problems and sampler seeds; reward 1 for the right answer), the treatment with
-   a think budget of 5 tokens (a trajectory stops at 6 think tokens with reward -1, as `openk3 rl` budgets do),
+   a think budget annealed from 14 to 5 tokens over the first half (a trajectory over it stops at budget + 1
+   think tokens with reward -1, as `openk3 rl` budgets do),
    the control with none (only a compute cap at 48 think tokens, scored 0 like any truncation);
 3. greedy turns (no budget; a think cap of 64, as evaluation keeps one) on 300 held-out prompts: think tokens
    and accuracy per prompt.
@@ -68,10 +69,15 @@ def _scorer(item):
 def rl_run(start: dict, seed: int, train, s: dict, budget: int | None, say) -> torch.nn.Module:
     """RL from `start` with a think `budget` (over it: stopped, reward -1), or with none (None: only the compute
     cap `think_cap`, far above the budget, which stops a trajectory and scores it 0 like any truncation)."""
+    from openk3.posttrain.domains.budget import annealed_budget
     from openk3.posttrain.trainers.rollout import Problem
 
     def problem(it, step: int) -> Problem:
-        return Problem(f"{it.id}@{step}", it.prompt, budget=budget or s["think_cap"], score=_scorer(it))
+        # the budget anneals from the start's longest thinking down to `budget` over the first half (as
+        # `openk3 rl --budget-from-effort` does): a budget that starts under most samples makes nearly every
+        # reward -1 at once, and the answers suffer before the thinking shortens
+        b = annealed_budget(step, s["steps"], s["think"][1], budget, fraction=0.5) if budget else s["think_cap"]
+        return Problem(f"{it.id}@{step}", it.prompt, budget=b, score=_scorer(it))
 
     roll = dict(response_cap=s["response_cap"], **({} if budget else {"over_budget_reward": 0.0}))
     return rl_arm(start, seed, train, s, name=NAME, problem=problem, label="budget" if budget else "no budget",

@@ -45,7 +45,7 @@ from openk3.posttrain.domains.budget import BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers.problems import ProblemSource
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
-from openk3.stats import mean_ci, rate_ci
+from openk3.stats import mean_ci, per_problem, rate_ci
 
 #: Every cell, as "domain/effort" (the order of the report's tables and of the teachers' keys).
 CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)
@@ -145,6 +145,17 @@ def cell_metrics(records: Sequence[dict]) -> dict:
         "ci95": {"accuracy": list(rate_ci(task, problems)), "thinking_tokens": list(mean_ci(think, problems)),
                  "budget_compliance": list(rate_ci(within, problems))},
     }
+
+
+def per_problem_scores(c: dict, key: str = "thinking_tokens") -> dict | None:
+    """{problem: mean of its samples} of a cell's think tokens (`key` "thinking_tokens") or task reward
+    ("accuracy"), for paired tests; None for a cell evaluated before the per-trajectory lists were kept."""
+    samples = c.get({"thinking_tokens": "think_tokens_samples", "accuracy": "task_samples"}[key])
+    problems = c.get("problem_ids")
+    if not samples or not problems or len(samples) != len(problems):
+        return None
+    return per_problem(samples, problems)
+
 
 
 # ---- running a model ---------------------------------------------------------------------------------

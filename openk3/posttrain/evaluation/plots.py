@@ -154,6 +154,26 @@ def gap_closed(models: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def gap_closed_ci(models: dict) -> dict[str, dict[str, tuple[float, float]]]:
+    """The 95 % intervals of `gap_closed`'s shares, paired over the problems (`openk3.stats.gap_closed`), where
+    the cells keep per-problem samples and the teacher's gain is not 0."""
+    from openk3.posttrain.evaluation.evaluate import per_problem_scores
+    from openk3.stats import gap_closed as share_of
+
+    sft, teachers = models.get("sft"), models.get("teachers", {})
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for label, m in _series(models) if sft is not None else []:
+        if label in ("sft", "teachers (own cell)"):
+            continue
+        for cell, tm in teachers.items():
+            domain, _, effort = cell.partition("/")
+            arms = [per_problem_scores(x.get(domain, {}).get(effort) or {}, "accuracy") for x in (m, sft, tm)]
+            share = share_of(*arms) if None not in arms else None
+            if share is not None:
+                out.setdefault(label, {})[cell] = share.ci95
+    return out
+
+
 def recovery(models: dict, path: str | os.PathLike) -> bool:
     """The gap-closed bars ("n/a" where undefined); False (nothing written) when no model shares a cell with
     SFT and that cell's teacher."""
@@ -163,13 +183,17 @@ def recovery(models: dict, path: str | os.PathLike) -> bool:
     cells = [c for c in CELLS if any(c in g for g in gaps.values())]
     if not cells:
         return False
+    intervals = gap_closed_ci(models)
     fig = new_figure(max(6.0, 0.9 * len(cells) + 2), 4.0, _DPI)
     ax = fig.subplots()
     width = 0.8 / len(gaps)
     for k, (label, g) in enumerate(gaps.items()):
         xs = [i + (k - (len(gaps) - 1) / 2) * width for i in range(len(cells))]
         values = [g.get(c, math.nan) for c in cells]
-        ax.bar(xs, values, width, label=label, color=f"C{(k + 1) % 10}")
+        cis = intervals.get(label, {})
+        err = [[max(0.0, v - cis[c][0]) if c in cis else 0.0 for c, v in zip(cells, values, strict=True)],
+               [max(0.0, cis[c][1] - v) if c in cis else 0.0 for c, v in zip(cells, values, strict=True)]]
+        ax.bar(xs, values, width, label=label, color=f"C{(k + 1) % 10}", yerr=err, capsize=2)
         for x, v in zip(xs, values, strict=True):
             if math.isnan(v):  # the teacher did not move from SFT here (or the model was not evaluated)
                 ax.text(x, 0.02, "n/a", rotation=90, ha="center", va="bottom", fontsize=6)
@@ -178,7 +202,7 @@ def recovery(models: dict, path: str | os.PathLike) -> bool:
     ax.set_xticks(range(len(cells)), cells, rotation=30, ha="right")
     ax.set_xlabel("cell (domain/effort)")
     ax.set_ylabel("gap closed (acc - SFT) / (teacher - SFT)")
-    ax.set_title("Recovery of each teacher's gain over SFT")
+    ax.set_title("Recovery of each teacher's gain over SFT (bars: 95 % intervals, paired over problems)")
     ax.legend(fontsize=7, loc="best")
     save_png(fig, str(path))
     return True
