@@ -387,6 +387,7 @@ def test_the_command_runs_end_to_end(tiny_checkpoint, tmp_path, capsys):
     assert command.main(args) == 0
     printed = capsys.readouterr().out
     assert "[eval] done" in printed and "not the full issue-18 report" in printed
+    assert "[eval] sft general/low: accuracy 0.000 [0.000, " in printed  # every number with its 95 % interval
     report = json.loads((out / "report.json").read_text())
     assert set(report["models"]) == {"sft", "student", "teachers"}
     assert set(report["models"]["teachers"]) == {"general/low"}
@@ -397,6 +398,8 @@ def test_the_command_runs_end_to_end(tiny_checkpoint, tmp_path, capsys):
         for c in m["general"].values():
             assert c["n"] == 4 and 0 <= c["accuracy"] <= 1 and 0 <= c["thinking_tokens"] <= 7
             assert 0 <= c["budget_compliance"] <= 1 and c["turns"] == 1
+            lo, hi = c["ci95"]["accuracy"]
+            assert 0 <= lo <= c["accuracy"] <= hi <= 1 and len(c["problem_ids"]) == len(c["task_samples"]) == 4
     # the same checkpoint and seed give the same numbers as a model and as a teacher
     assert report["models"]["sft"] == report["models"]["teachers"]["general/low"]
     for name in ("report.md", "cells_acc_vs_tokens.png", "effort_separation.png", "recovery.png"):

@@ -316,8 +316,8 @@ def evaluate_models(models: Mapping[str, str | os.PathLike], out_dir: str | os.P
             write_atomic(done, (json.dumps({"settings": settings, "checkpoint": folder, "metrics": m}) + "\n").encode())
         for d, e in cells:
             c = m[d][e]
-            say(f"{name} {d}/{e}: accuracy {c['accuracy']:.3f}, think {c['thinking_tokens']:.1f} "
-                f"(p90 {c['thinking_tokens_p90']:.0f}), compliance {c['budget_compliance']:.2f}, n {c['n']}")
+            say(f"{name} {d}/{e}: accuracy {_with_ci(c, 'accuracy', 3)}, think {_with_ci(c, 'thinking_tokens', 1)} "
+                f"(p90 {c['thinking_tokens_p90']:.0f}), compliance {_with_ci(c, 'budget_compliance', 2)}, n {c['n']}")
         if name in CELLS:
             scored.setdefault("teachers", {})[name] = m
             checkpoints.setdefault("teachers", {})[name] = folder
