@@ -1,19 +1,18 @@
 """`openk3 experiment effort-budget`: RL with thinking budgets cuts thinking tokens by >= 30 % at no accuracy
 loss beyond the interval, against the same RL without budgets (background §3.10).
 
-Smoke profile (one CPU core, a few minutes):
+Smoke profile (one CPU core, 3.3-4.2 minutes):
 1. a tiny K3 (`tasks.tiny_k3`) is fine-tuned on whole turns for the digit task (`tasks.digit_items`): a think
    channel of 2-14 dots, then the answer (d + 1) mod 10 in the response channel (`tasks.turn_ids`), until
    >= 60 % of its greedy validation answers are right (checked every 5 steps): the SFT start, thinking a
    length that carries no information;
 2. two RL runs from that start, identical but for the budget: `rl_step` (K2's loss, groups of 8, 8 prompts
-   per step, 25 steps, the same problems and sampler seeds; reward 1 for the right answer), the treatment with
-   a think budget annealed from 14 to 5 tokens over the first half (a trajectory over it stops at budget + 1
-   think tokens with reward -1, as `openk3 rl` budgets do),
-   the control with none (only a compute cap at 48 think tokens, scored 0 like any truncation);
+   per step, 25 steps at lr 3e-4, the same problems and sampler seeds; reward 1 for the right answer), the
+   treatment with a think budget annealed from 14 to 5 tokens over the first half (a trajectory over it stops
+   at budget + 1 think tokens with reward -1, as `openk3 rl` budgets do), the control with none (only a compute
+   cap at 48 think tokens, scored 0 like any truncation);
 3. greedy turns (no budget; a think cap of 64, as evaluation keeps one) on 300 held-out prompts: think tokens
-   and accuracy per prompt.
-   The metric is think tokens saved from the start, paired per prompt; the effect is the treatment's saving
+   and accuracy per prompt. The metric is think tokens saved from the start, paired per prompt; the effect is the treatment's saving
    minus the control's. Requirements: the treatment thinks >= 30 % less than the control, and the
    treatment-minus-control accuracy difference's 95 % interval reaches 0 (no loss beyond the interval).
 
@@ -41,7 +40,7 @@ METRIC = "greedy think tokens saved per held-out prompt"
 PROFILES = ("smoke",)
 
 SMOKE = dict(train=2000, val=64, test=300, think=(2, 14), sft_lr=2e-3, sft_at=0.6, sft_max_steps=400,
-             rl_lr=1e-3, steps=25, prompts_per_step=8, group_size=8, budget=5, think_cap=48, eval_cap=64,
+             rl_lr=3e-4, steps=25, prompts_per_step=8, group_size=8, budget=5, think_cap=48, eval_cap=64,
              response_cap=64, cut=0.30)
 
 
