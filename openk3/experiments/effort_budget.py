@@ -12,9 +12,10 @@ Smoke profile (one CPU core, 3.3-4.2 minutes):
    at budget + 1 think tokens with reward -1, as `openk3 rl` budgets do), the control with none (only a compute
    cap at 48 think tokens, scored 0 like any truncation);
 3. greedy turns (no budget; a think cap of 64, as evaluation keeps one) on 300 held-out prompts: think tokens
-   and accuracy per prompt. The metric is think tokens saved from the start, paired per prompt; the effect is the treatment's saving
-   minus the control's. Requirements: the treatment thinks >= 30 % less than the control, and the
-   treatment-minus-control accuracy difference's 95 % interval reaches 0 (no loss beyond the interval).
+   and accuracy per prompt. The metric is think tokens saved from the start, paired per prompt; the effect is
+   the treatment's saving minus the control's. Requirements: the treatment thinks >= 30 % less than the
+   control, and the treatment-minus-control accuracy difference's 95 % interval reaches 0 (no loss beyond the
+   interval).
 
 The dots carry no information, so the smoke shows the mechanism (a budget shortens thinking without costing
 the answer) and not that budgets keep useful reasoning: that is the full profile's question (not built yet).
