@@ -7,9 +7,9 @@
     result = run_experiment("mopd-vs-merge", "smoke", seed=0, out="runs/exp/mopd")   # the result.json dict
 
 An experiment module has NAME, CLAIM, METRIC, PROFILES and `run(profile, seed, say) -> result.Result` (called
-with one of its PROFILES); the
-shared part (the result schema, the verdict rule, result.json and result.png) is `result.py`, the smoke
-profiles' tiny model and tasks `tasks.py`. Rooms, bottom to top: tasks, result, then the experiments.
+with one of its PROFILES); the shared part (the result schema, the verdict rule, result.json and result.png)
+is `result.py`, the trained arms `arms.py`, the smoke profiles' tiny model and tasks `tasks.py`. Rooms, bottom
+to top: tasks, then result and arms, then the experiments.
 """
 
 from __future__ import annotations

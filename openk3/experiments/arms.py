@@ -1,11 +1,14 @@
-"""An RL arm of a smoke experiment: `rl_step` from a start, on problems drawn from a task's training split.
+"""The trained arms of the smoke experiments: on-policy steps (`rl_step`, `mopd_step`) from a start, on prompts
+drawn from a task's training split.
 
-    model = rl_arm(start, seed, train, s, problem=lambda it, step: Problem(...), label="treatment", say=say,
-                   roll=dict(extra_stop_ids=tasks.ONE_TOKEN), rewards_fn=None)
+    model = rl_arm(start, seed, train, s, name=NAME, problem=lambda it, step: Problem(...), label="treatment",
+                   say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN), rewards_fn=None)
+    model = run_arm(start, seed, train, cfg, name=NAME, problem=..., step=lambda model, opt, engine, problems,
+                    roll, i: metrics, label="MOPD", line=lambda m: "...", say=say)
 
 Every arm of an experiment draws the same prompts at each step (`random.Random(f"{name}|{seed}")`, without
 repeats within a step) with the same sampler seeds, so arms differ only by what the experiment changes (the
-rewards the loss sees, the budget).
+rewards the loss sees, the budget, the routing).
 """
 
 from __future__ import annotations
@@ -18,29 +21,43 @@ import torch
 from openk3.experiments import tasks
 
 
-def rl_arm(start: dict, seed: int, train: list, s: dict, *, name: str, problem: Callable, label: str, say,
-           roll: dict | None = None, rewards_fn: Callable | None = None) -> torch.nn.Module:
-    """`s["steps"]` RL steps (K2's loss, `s["group_size"]` samples of `s["prompts_per_step"]` prompts, lr
-    `s["rl_lr"]`) from the `start` weights; `problem(item, step)` makes each drawn item's Problem, `roll` adds
-    to its RolloutConfig, `rewards_fn` goes to `rl_step`. A progress line every 10 steps."""
-    from openk3.infer.engine import Engine
-    from openk3.posttrain.trainers.rl import RLConfig, rl_step
+def run_arm(start: dict, seed: int, train: list, cfg, *, name: str, problem: Callable, step: Callable, label: str,
+            line: Callable[[dict], str], say, roll: dict | None = None) -> torch.nn.Module:
+    """`cfg.steps` steps (an `OnPolicyConfig`: steps, prompts per step, group size, lr, the engine) from the
+    `start` weights: `problem(item, i)` makes each drawn item's Problem, `roll` adds to its RolloutConfig,
+    `step(model, opt, engine, problems, rollout config, i) -> metrics` takes the step; `line(metrics)` is the
+    progress line's text, every 10 steps."""
     from openk3.posttrain.trainers.rollout import RolloutConfig
 
     model = tasks.tiny_k3(seed)
     model.load_state_dict(start)
+    opt = tasks.optimizer(model, cfg.lr)
+    engine = cfg.engine(model)
+    draw = random.Random(f"{name}|{seed}")
+    for i in range(cfg.steps):
+        items = [train[k] for k in draw.sample(range(len(train)), cfg.prompts_per_step)]
+        config = RolloutConfig(group_size=cfg.group_size, seed=seed * 100_003 + i, **(roll or {}))
+        m = step(model, opt, engine, [problem(it, i) for it in items], config, i)
+        if (i + 1) % 10 == 0:
+            say(f"{label} step {i + 1}/{cfg.steps}: {line(m)}")
+    return model
+
+
+def rl_arm(start: dict, seed: int, train: list, s: dict, *, name: str, problem: Callable, label: str, say,
+           roll: dict | None = None, rewards_fn: Callable | None = None) -> torch.nn.Module:
+    """`run_arm` with `rl_step` (K2's loss, `s["group_size"]` samples of `s["prompts_per_step"]` prompts, lr
+    `s["rl_lr"]`, `s["steps"]` steps); `rewards_fn` goes to `rl_step`."""
+    from openk3.posttrain.trainers.rl import RLConfig, rl_step
+
     cfg = RLConfig(model="(in memory)", group_size=s["group_size"], loss="kimi", lr=s["rl_lr"],
                    prompts_per_step=s["prompts_per_step"], steps=s["steps"], seed=seed)
-    opt = tasks.optimizer(model, cfg.lr)
-    engine = Engine(model, None, max_num_seqs=cfg.prompts_per_step * cfg.group_size)
-    draw = random.Random(f"{name}|{seed}")
-    for step in range(cfg.steps):
-        items = [train[k] for k in draw.sample(range(len(train)), cfg.prompts_per_step)]
-        config = RolloutConfig(group_size=cfg.group_size, seed=seed * 100_003 + step, **(roll or {}))
-        _, m = rl_step(cfg, model, opt, engine, [problem(it, step) for it in items], tasks.TOK, config, step,
-                       rewards_fn)
-        if (step + 1) % 10 == 0:
-            say(f"{label} step {step + 1}/{cfg.steps}: reward {m['reward']:.3f}, think {m['think_mean']:.1f}, "
-                f"over budget {m['over_budget_rate']:.2f}, update scale {m['update_scale']:.2f}, "
-                f"skipped {m['skipped']}")
-    return model
+
+    def step(model, opt, engine, problems, config, i) -> dict:
+        return rl_step(cfg, model, opt, engine, problems, tasks.TOK, config, i, rewards_fn)[1]
+
+    def line(m: dict) -> str:
+        return (f"reward {m['reward']:.3f}, think {m['think_mean']:.1f}, over budget {m['over_budget_rate']:.2f}, "
+                f"update scale {m['update_scale']:.2f}, skipped {m['skipped']}")
+
+    return run_arm(start, seed, train, cfg, name=name, problem=problem, step=step, label=label, line=line, say=say,
+                   roll=roll)

@@ -32,6 +32,7 @@ import torch
 from openk3.experiments import tasks
 from openk3.experiments.arms import rl_arm
 from openk3.experiments.result import Result, arm
+from openk3.experiments.tasks import mean
 from openk3.stats import paired
 
 NAME = "effort-budget"
@@ -108,7 +109,6 @@ def run(profile: str, seed: int, say) -> Result:
     for name, budget in (("budget", s["budget"]), ("no budget", None)):
         arms[name] = greedy_turns(rl_run(start, seed, train, s, budget, say), test, s)
     (think_t, acc_t), (think_c, acc_c) = arms["budget"], arms["no budget"]
-    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     cut = 1 - mean(think_t) / mean(think_c) if mean(think_c) else 0.0
     accuracy = paired(acc_t, acc_c, seed=seed)
     say(f"held-out think tokens: start {mean(think0):.2f}, budget {mean(think_t):.2f}, no budget {mean(think_c):.2f} "

@@ -25,12 +25,15 @@ Smoke profile (one CPU core, ~1-2 minutes):
 from __future__ import annotations
 
 import copy
+import random
 import time
 
 import torch
 
 from openk3.experiments import tasks
+from openk3.experiments.arms import run_arm
 from openk3.experiments.result import Result, arm
+from openk3.experiments.tasks import mean
 
 NAME = "mopd-vs-merge"
 CLAIM = ("MOPD combines teachers that each ignore the effort tag into one student that follows it (each cell "
@@ -64,16 +67,10 @@ def by_cell(scores: dict[str, float], items) -> dict[str, float]:
     return {c: sum(v) / len(v) for c, v in sorted(out.items())}
 
 
-def mean(scores: dict[str, float]) -> float:
-    return sum(scores.values()) / len(scores)
-
-
 def make_base(seed: int, train, val, s: dict, say) -> torch.nn.Module:
     """The common start: a tiny K3 fine-tuned to answer "L" or "H" at random whatever the tag (as an SFT model
     that has both behaviours but does not tie them to the tag), until >= 90 % of its first-token mass is on
     them."""
-    import random
-
     model = tasks.tiny_k3(seed)
     rng = random.Random(f"base|{seed}")
     ids = [tasks.TOK.encode(a)[0] for a in ANSWER.values()]
@@ -106,19 +103,12 @@ def make_teacher(base: dict, seed: int, cell: str, train, val, s: dict, say) -> 
 
 
 def mopd_arm(base: dict, seed: int, teachers: dict, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
-    import random
-
-    from openk3.infer.engine import Engine
+    """MOPD from the base (`arms.run_arm` with `mopd_step`); `shuffle`: the control's permuted routing."""
     from openk3.posttrain.trainers.mopd import MOPDConfig, mopd_step
-    from openk3.posttrain.trainers.rollout import Problem, RolloutConfig
+    from openk3.posttrain.trainers.rollout import Problem
 
-    model = tasks.tiny_k3(seed)
-    model.load_state_dict(base)
     cfg = MOPDConfig(lr=s["mopd_lr"], group_size=s["group_size"], prompts_per_step=s["prompts_per_step"],
                      steps=s["steps"], seed=seed, cells=tuple(ANSWER))
-    opt = tasks.optimizer(model, cfg.lr)
-    engine = Engine(model, None, max_num_seqs=cfg.prompts_per_step * cfg.group_size)
-    draw = random.Random(f"mopd-vs-merge|{seed}")
 
     def permute(cells: list[str], step: int) -> list[str]:
         rng = random.Random(f"route|{seed}|{step}")
@@ -126,17 +116,18 @@ def mopd_arm(base: dict, seed: int, teachers: dict, train, s: dict, shuffle: boo
         rng.shuffle(out)
         return out
 
-    for step in range(cfg.steps):
-        items = [train[k] for k in draw.sample(range(len(train)), cfg.prompts_per_step)]
-        problems = [Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn: 0.0,
-                            meta={"domain": it.cell.split("/")[0], "effort": it.cell.split("/")[1]}) for it in items]
-        roll = RolloutConfig(group_size=cfg.group_size, seed=seed * 100_003 + step, extra_stop_ids=tasks.ONE_TOKEN)
-        _, m = mopd_step(cfg, model, opt, engine, problems, teachers, tasks.TOK, roll, step,
-                         route_fn=permute if shuffle else None)
-        if (step + 1) % 10 == 0:
-            say(f"{'control' if shuffle else 'MOPD'} step {step + 1}/{cfg.steps}: reverse KL {m['reverse_kl']:.3f}, "
-                f"update scale {m['update_scale']:.2f}")
-    return model
+    def problem(it, step: int) -> Problem:
+        domain, effort = it.cell.split("/")
+        return Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn: 0.0,
+                       meta={"domain": domain, "effort": effort})
+
+    def step(model, opt, engine, problems, config, i) -> dict:
+        return mopd_step(cfg, model, opt, engine, problems, teachers, tasks.TOK, config, i,
+                         route_fn=permute if shuffle else None)[1]
+
+    return run_arm(base, seed, train, cfg, name=NAME, problem=problem, step=step,
+                   label="control" if shuffle else "MOPD", say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN),
+                   line=lambda m: f"reverse KL {m['reverse_kl']:.3f}, update scale {m['update_scale']:.2f}")
 
 
 def tuned_merges(base: dict, teachers: dict, seed: int, val, val_routed, say) -> dict[str, tuple[dict, dict]]:

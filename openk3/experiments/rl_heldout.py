@@ -24,6 +24,7 @@ import torch
 from openk3.experiments import tasks
 from openk3.experiments.arms import rl_arm
 from openk3.experiments.result import Result, arm
+from openk3.experiments.tasks import mean
 
 NAME = "rl-heldout"
 CLAIM = ("RL with a verifiable reward raises greedy accuracy on held-out prompts over its SFT start, against the "
@@ -39,10 +40,6 @@ def accuracy(model, items) -> dict[str, float]:
     """{item id: 1.0 if the greedy first token is the answer}."""
     got = tasks.first_tokens(model, [i.prompt for i in items])
     return {i.id: float(t == i.answer) for i, t in zip(items, got, strict=True)}
-
-
-def mean(scores: dict[str, float]) -> float:
-    return sum(scores.values()) / len(scores)
 
 
 def rl_run(start: dict, seed: int, train, s: dict, shuffle: bool, say) -> torch.nn.Module:

@@ -127,15 +127,25 @@ def optimizer(model, lr: float):
     return build_optimizer(model, OptimConfig(lr=lr, weight_decay=0.0, qk_clip_tau=None))
 
 
+def mean(scores: dict) -> float:
+    """The mean of {item id: score} (an arm's accuracy, agreement or think tokens over its items)."""
+    return sum(scores.values()) / len(scores)
+
+
+def _by_length(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The prompts' indices grouped by length (each group one forward pass without padding)."""
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(len(p), []).append(i)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def first_tokens(model, prompts: Sequence[Sequence[int]], batch: int = 256) -> list[int]:
     """The greedy first token after each prompt (prompts of one length share a forward pass)."""
     model.eval()
     out: dict[int, int] = {}
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for rows in by_len.values():
+    for rows in _by_length(prompts):
         for k in range(0, len(rows), batch):
             part = rows[k:k + batch]
             ids = torch.tensor([list(prompts[i]) for i in part])
@@ -149,10 +159,7 @@ def first_token_mass(model, prompts: Sequence[Sequence[int]], tokens: Sequence[i
     """The mean probability the model puts on `tokens` as the first token after each prompt."""
     model.eval()
     total = 0.0
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    for rows in by_len.values():
+    for rows in _by_length(prompts):
         probs = model(torch.tensor([list(prompts[i]) for i in rows]))[:, -1].float().softmax(-1)
         total += float(probs[:, list(tokens)].sum())
     return total / len(prompts)

@@ -45,7 +45,7 @@ from openk3.posttrain.domains.budget import BudgetConfig
 from openk3.posttrain.domains.records import DOMAINS, SPLITS
 from openk3.posttrain.trainers.problems import ProblemSource
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP, Problem, RolloutConfig, parse_turn, rollout
-from openk3.stats import mean_ci, per_problem, rate_ci
+from openk3.stats import gap_closed, mean_ci, per_problem, rate_ci
 
 #: Every cell, as "domain/effort" (the order of the report's tables and of the teachers' keys).
 CELLS = tuple(f"{d}/{e}" for d in DOMAINS for e in THINKING_EFFORTS)
@@ -126,7 +126,7 @@ def cell_metrics(records: Sequence[dict]) -> dict:
         "thinking_tokens": mean(think),
         "thinking_tokens_p90": p90(think),
         "n": n,
-        "problems": len({r.get("problem_id", r.get("id")) for r in records}),
+        "problems": len(set(problems)),
         "budget_compliance": mean(within),
         "budget_think_tokens": mean(r["budget_think_tokens"] for r in records),
         "invalid_tool_calls": mean(r["reward_components"]["invalid_calls"] for r in records),
@@ -156,6 +156,12 @@ def per_problem_scores(c: dict, key: str = "thinking_tokens") -> dict | None:
         return None
     return per_problem(samples, problems)
 
+
+def share_of_gain(c: dict, sft: dict, teacher: dict):
+    """`stats.gap_closed` of a cell's accuracy: the share of the teacher's gain over SFT that `c` closes, paired
+    over the problems; None when a cell lacks per-problem samples or the teacher gained nothing."""
+    arms = [per_problem_scores(x, "accuracy") for x in (c, sft, teacher)]
+    return None if None in arms else gap_closed(*arms)
 
 
 # ---- running a model ---------------------------------------------------------------------------------

@@ -157,8 +157,7 @@ def gap_closed(models: dict) -> dict[str, dict[str, float]]:
 def gap_closed_ci(models: dict) -> dict[str, dict[str, tuple[float, float]]]:
     """The 95 % intervals of `gap_closed`'s shares, paired over the problems (`openk3.stats.gap_closed`), where
     the cells keep per-problem samples and the teacher's gain is not 0."""
-    from openk3.posttrain.evaluation.evaluate import per_problem_scores
-    from openk3.stats import gap_closed as share_of
+    from openk3.posttrain.evaluation.evaluate import share_of_gain
 
     sft, teachers = models.get("sft"), models.get("teachers", {})
     out: dict[str, dict[str, tuple[float, float]]] = {}
@@ -167,8 +166,7 @@ def gap_closed_ci(models: dict) -> dict[str, dict[str, tuple[float, float]]]:
             continue
         for cell, tm in teachers.items():
             domain, _, effort = cell.partition("/")
-            arms = [per_problem_scores(x.get(domain, {}).get(effort) or {}, "accuracy") for x in (m, sft, tm)]
-            share = share_of(*arms) if None not in arms else None
+            share = share_of_gain(*(x.get(domain, {}).get(effort) or {} for x in (m, sft, tm)))
             if share is not None:
                 out.setdefault(label, {})[cell] = share.ci95
     return out

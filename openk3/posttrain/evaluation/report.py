@@ -30,9 +30,10 @@ from openk3.posttrain.evaluation.evaluate import (
     model_rows,
     parse_cells,
     per_problem_scores,
+    share_of_gain,
 )
 from openk3.posttrain.trainers.rollout import RESPONSE_CAP
-from openk3.stats import ALPHA, gap_closed, ordered, paired
+from openk3.stats import ALPHA, ordered, paired
 
 
 def _cell(m: dict, domain: str, effort: str) -> dict | None:
@@ -166,8 +167,7 @@ def success_criteria(models: dict) -> list[tuple[str, bool | None, str]]:
             got = _cell(m, *c.split("/"))
             if got is None:
                 continue
-            arms = [per_problem_scores(x, "accuracy") for x in (got, base[c], own[c])]
-            share = gap_closed(*arms) if None not in arms else None
+            share = share_of_gain(got, base[c], own[c])
             if t > s and share is not None:
                 judged.append(share.lower >= 0.9)
                 lo, hi = share.ci95

@@ -16,8 +16,9 @@ Each step:
    (`losses.grpo_loss`: group baseline, PPO clip-higher, token mean over the batch's generated tokens,
    importance weights between the sampler's and the trainer's log-probs, `is_mode`);
 6. one optimizer step (Muon for matrices + AdamW, `openk3.train.optim`), its size scaled by the gradient norm
-   against `update_ref` (`onpolicy.signal_step`), none when no group's rewards vary; the router's selection bias
-   (Quantile Balancing) is a buffer no RL step touches: it stays frozen (background §5.3).
+   against its running mean, never below `update_ref` (`onpolicy.signal_step`), none when no group's rewards
+   vary; the router's selection bias (Quantile Balancing) is a buffer no RL step touches: it stays frozen
+   (background §5.3).
 
 Logged per step to <out>/metrics.jsonl: reward, task reward, over-budget and format-failure rates, think
 length (mean, p90), budget, entropy of the trainer's distribution on generated tokens, mismatch KL
