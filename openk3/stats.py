@@ -154,6 +154,9 @@ class Share:
     lower: float
     n: int
 
+    def to_dict(self) -> dict:
+        return {"estimate": self.estimate, "ci95": list(self.ci95), "lower": self.lower, "n": self.n}
+
 
 def gap_closed(a: Mapping[Hashable, float], start: Mapping[Hashable, float], target: Mapping[Hashable, float], *,
                seed: int = 0, resamples: int = B_DEFAULT) -> Share | None:

@@ -350,6 +350,9 @@ def test_rl_config_names_bad_settings():
         with pytest.raises(ValueError, match="budget_cap must be an integer >= max"):
             RLConfig(b_floor=4, budget_cap=bad)
     assert RLConfig(b_floor=4, budget_cap=4).budget_cap == 4
+    for bad in (0, -1.0, True, "1"):
+        with pytest.raises(ValueError, match="update_ref must be > 0 or None"):
+            RLConfig(update_ref=bad)
 
 
 def test_budget_annealing_moves_from_the_parent_effort_to_the_cell_budget():

@@ -78,6 +78,7 @@ def test_gap_closed_is_a_paired_share_with_a_one_sided_bound():
     assert share.ci95[0] <= share.lower <= 0.5 and share.n == 40
     full = stats.gap_closed(target, start, target)
     assert full.estimate == 1.0 and full.ci95 == (1.0, 1.0) and full.lower == 1.0
+    assert share.to_dict() == {"estimate": share.estimate, "ci95": list(share.ci95), "lower": share.lower, "n": 40}
     assert stats.gap_closed(half, start, start) is None  # no gain to close
     with pytest.raises(ValueError, match="share no problem"):
         stats.gap_closed({"x": 1.0}, start, target)

@@ -17,7 +17,9 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", nargs="?", default=None, help="the experiment (see --list)")
     p.add_argument("--list", action="store_true", help="print every experiment's name, profiles and claim")
-    p.add_argument("--profile", default="smoke", help="smoke (minutes on one CPU core) or full (default smoke)")
+    p.add_argument("--profile", default="smoke",
+                   help="smoke (minutes on one CPU core) or full (a real post-training start on the general domain, "
+                        "15-40 minutes a seed on one core; resumes in --out) (default smoke)")
     p.add_argument("--seed", type=int, default=0, help="the run's seed: data, model, sampling (default 0)")
     p.add_argument("--out", default=None, help="folder for result.json and result.png (default runs/exp/NAME)")
     p.add_argument("--threads", type=int, default=None,
@@ -40,7 +42,10 @@ def main(args: argparse.Namespace) -> int:
     out = args.out or f"runs/exp/{args.name}"
     d = run_experiment(args.name, args.profile, args.seed, out)
     e, c = d["effect"], d["control"]
+    failed = [f"{name}: {r['detail']}" for name, r in d.get("requirements", {}).items() if not r["holds"]]
+    why = f"; requirement not met: {'; '.join(failed)}" if failed else ""
+    why += f"; {d['reason']}" if d.get("reason") else ""
     print(f"[experiment] {args.name}: {d['verdict']} (effect {e['estimate']:+.3f} [{e['ci95'][0]:+.3f}, "
-          f"{e['ci95'][1]:+.3f}]; control {c['estimate']:+.3f}, {c['verdict']}); {out}/result.json, "
+          f"{e['ci95'][1]:+.3f}]; control {c['estimate']:+.3f}, {c['verdict']}{why}); {out}/result.json, "
           f"{out}/result.png", flush=True)
     return 0

@@ -6,10 +6,12 @@
     from openk3.experiments import run_experiment
     result = run_experiment("mopd-vs-merge", "smoke", seed=0, out="runs/exp/mopd")   # the result.json dict
 
-An experiment module has NAME, CLAIM, METRIC, PROFILES and `run(profile, seed, say) -> result.Result` (called
-with one of its PROFILES); the shared part (the result schema, the verdict rule, result.json and result.png)
-is `result.py`, the trained arms `arms.py`, the smoke profiles' tiny model and tasks `tasks.py`. Rooms, bottom
-to top: tasks, then result and arms, then the experiments.
+An experiment module has NAME, CLAIM, METRIC, PROFILES ({profile name: its settings}) and `run(profile, s,
+seed, say, out) -> result.Result` (called with one of its PROFILES and that profile's settings `s`; `out`, the
+experiment's folder, keeps what a full profile can continue from); the shared part (the result schema, the
+verdict rule, result.json and result.png) is `result.py`, the trained arms `arms.py`, the smoke profiles' tiny
+model and tasks `tasks.py`, the full profiles' start, problems and evaluation `full.py`. Rooms, bottom to
+top: tasks and full, then result and arms, then the experiments.
 """
 
 from __future__ import annotations
@@ -32,9 +34,13 @@ def experiment(name: str) -> ModuleType:
     return importlib.import_module(EXPERIMENTS[name])
 
 
-def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, say=None) -> dict:
+def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, say=None,
+                   overrides: dict | None = None) -> dict:
     """Run experiment `name` at `profile` with `seed`, write out/result.json and out/result.png; returns the
-    JSON form. `say(line)`: progress (default: the "[experiment]" reporter)."""
+    JSON form. `say(line)`: progress (default: the "[experiment]" reporter). `overrides`: settings that replace
+    the profile's (tests run a full profile's code at toy sizes so; the result records the settings used)."""
+    from pathlib import Path
+
     from openk3.experiments.result import write_result
 
     module = experiment(name)
@@ -44,5 +50,11 @@ def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, s
         from openk3.log import reporter
 
         say = reporter("experiment").info
-    result = module.run(profile, seed, say)
+    settings = dict(module.PROFILES[profile])
+    unknown = sorted(set(overrides or {}) - set(settings))
+    if unknown:
+        raise ValueError(f"{name}: unknown settings {unknown} for profile {profile!r} (settings: {sorted(settings)})")
+    settings.update(overrides or {})
+    Path(out).mkdir(parents=True, exist_ok=True)
+    result = module.run(profile, settings, seed, say, Path(out))
     return write_result(result, out)

@@ -18,7 +18,19 @@ Smoke profile (one CPU core, 3.3-4.2 minutes):
    interval).
 
 The dots carry no information, so the smoke shows the mechanism (a budget shortens thinking without costing
-the answer) and not that budgets keep useful reasoning: that is the full profile's question (not built yet).
+the answer) and not that budgets keep useful reasoning: that is the full profile's question.
+
+Full profile (one CPU core, ~20-30 minutes a seed; `full.py`):
+1. the start is the pipeline's smoke SFT model of the `general` domain (as `rl-heldout`'s full profile);
+2. prompts of the `max` cell (train split, level 1), where the start writes the max traces' full scratchpad
+   and verification (~L(x) think tokens, L the max reference's length);
+3. the treatment is RL with the budget rule of `openk3 rl`: the budget anneals from B_max(x) = 2 L(x) to
+   B_high(x) = 0.6 L(x) over the first half (`budget_from_effort`, as the pipeline's high teacher starts from
+   the max one), over it the trajectory stops and scores -1; the control is the same RL with only the
+   320-token cap (scored 0 like any truncation); K2's loss, 8 prompts x 8 samples, T = 0.7;
+4. greedy think tokens and task scores on 200 held-out test prompts of the cell, paired per prompt.
+   Requirements as in smoke: >= 30 % fewer think tokens than the control, and the accuracy difference's
+   interval reaches 0.
 """
 
 from __future__ import annotations
@@ -39,11 +51,14 @@ NAME = "effort-budget"
 CLAIM = ("RL with thinking budgets cuts thinking tokens by >= 30 % at no accuracy loss beyond the interval, "
          "against the same RL without budgets")
 METRIC = "greedy think tokens saved per held-out prompt"
-PROFILES = ("smoke",)
 
 SMOKE = dict(train=2000, val=64, test=300, think=(2, 14), sft_lr=2e-3, sft_at=0.6, sft_max_steps=400,
              rl_lr=3e-4, steps=25, prompts_per_step=8, group_size=8, budget=5, think_cap=48, eval_cap=64,
              response_cap=64, cut=0.30)
+FULL = dict(start_profile="smoke", effort="max", budget_from="max", budget_to="high", pool=400, test=200,
+            think_cap=320, response_cap=64, temperature=0.7, rl_lr=3e-4, steps=30, prompts_per_step=8,
+            group_size=8, context=1024, cut=0.30)
+PROFILES = {"smoke": SMOKE, "full": FULL}
 
 
 def greedy_turns(model, items, s: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -85,8 +100,9 @@ def rl_run(start: dict, seed: int, train, s: dict, budget: int | None, say) -> t
                   say=say, roll=roll)
 
 
-def run(profile: str, seed: int, say) -> Result:
-    s = SMOKE
+def run(profile: str, s: dict, seed: int, say, out) -> Result:
+    if profile == "full":
+        return run_full(s, seed, say, out)
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     train, val, test = tasks.splits(tasks.digit_items, s, seed)
@@ -109,15 +125,9 @@ def run(profile: str, seed: int, say) -> Result:
     for name, budget in (("budget", s["budget"]), ("no budget", None)):
         arms[name] = greedy_turns(rl_run(start, seed, train, s, budget, say), test, s)
     (think_t, acc_t), (think_c, acc_c) = arms["budget"], arms["no budget"]
-    cut = 1 - mean(think_t) / mean(think_c) if mean(think_c) else 0.0
-    accuracy = paired(acc_t, acc_c, seed=seed)
+    cut, accuracy, requirements = _judge(s, think_t, think_c, acc_t, acc_c, seed)
     say(f"held-out think tokens: start {mean(think0):.2f}, budget {mean(think_t):.2f}, no budget {mean(think_c):.2f} "
         f"(cut {cut:.0%}); accuracy {mean(acc0):.3f} / {mean(acc_t):.3f} / {mean(acc_c):.3f}")
-    requirements = {
-        f"thinks >= {s['cut']:.0%} less than the control": {"holds": cut >= s["cut"], "detail": f"cut {cut:.3f}"},
-        "no accuracy loss beyond the interval (budget - no budget)": {
-            "holds": accuracy.ci95[1] >= 0,
-            "detail": f"{accuracy.estimate:+.3f} [{accuracy.ci95[0]:+.3f}, {accuracy.ci95[1]:+.3f}]"}}
     reason = None if reached and reached[-1] >= s["sft_at"] else (
         f"the SFT start never reached {s['sft_at']:.0%} validation accuracy in {steps} steps")
     return Result(NAME, CLAIM, METRIC, profile, [seed], treatment=arm(think0, think_t, seed=seed),
@@ -129,4 +139,71 @@ def run(profile: str, seed: int, say) -> Result:
                            "accuracy": {"start": mean(acc0), "budget": mean(acc_t), "no budget": mean(acc_c)},
                            "accuracy_budget_minus_control": accuracy.to_dict(), "cut": cut, "sft_steps": steps,
                            "sft_val_history": reached},
+                  settings=dict(s))
+
+
+def _judge(s: dict, think_t: dict, think_c: dict, acc_t: dict, acc_c: dict, seed: int) -> tuple[float, object, dict]:
+    """(the cut against the control, the paired accuracy difference, the requirements)."""
+    cut = 1 - mean(think_t) / mean(think_c) if mean(think_c) else 0.0
+    accuracy = paired(acc_t, acc_c, seed=seed)
+    requirements = {
+        f"thinks >= {s['cut']:.0%} less than the control": {"holds": cut >= s["cut"], "detail": f"cut {cut:.3f}"},
+        "no accuracy loss beyond the interval (budget - no budget)": {
+            "holds": accuracy.ci95[1] >= 0,
+            "detail": f"{accuracy.estimate:+.3f} [{accuracy.ci95[0]:+.3f}, {accuracy.ci95[1]:+.3f}]"}}
+    return cut, accuracy, requirements
+
+
+def run_full(s: dict, seed: int, say, out) -> Result:
+    """The full profile (module docstring): budgets on the general domain's max cell from the smoke SFT model."""
+    import dataclasses
+
+    from openk3.experiments import full
+    from openk3.posttrain.domains.budget import BudgetConfig, annealed_budget
+
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    folder = full.sft_start(out / "start", seed, say, s["start_profile"])
+    model, tok = full.open_model(folder)
+    start = copy.deepcopy(model.state_dict())
+    name = f"general/{s['effort']}"
+    budgets = BudgetConfig()
+
+    def evaluate(m) -> dict:
+        c = full.greedy(m, tok, [("general", s["effort"])], n=s["test"], seed=seed, think_cap=s["think_cap"],
+                        response_cap=s["response_cap"])[name]
+        return {"think": full.scores(c, "thinking_tokens"), "accuracy": full.scores(c, "accuracy")}
+
+    pool = full.problems(tok, s["effort"], "train", s["pool"], seed)
+
+    def rl_full(budget: bool) -> torch.nn.Module:
+        def problem(p, step: int):
+            L = p.meta["reference_think_tokens"]
+            b = annealed_budget(step, s["steps"], budgets.budget(L, s["budget_from"]),
+                                budgets.budget(L, s["budget_to"]), fraction=budgets.anneal_fraction) \
+                if budget else s["think_cap"]
+            return dataclasses.replace(p, id=f"{p.id}@{step}", budget=b)
+
+        roll = dict(response_cap=s["response_cap"], **({} if budget else {"over_budget_reward": 0.0}))
+        return rl_arm(start, seed, pool, s, name=NAME, problem=problem, label="budget" if budget else "no budget",
+                      say=say, roll=roll, tok=tok, build=lambda: full.open_model(folder)[0])
+
+    base = full.arm_cache(out, "start", lambda: evaluate(model))
+    treated = full.arm_cache(out, "budget", lambda: evaluate(rl_full(True)))
+    control = full.arm_cache(out, "no budget", lambda: evaluate(rl_full(False)))
+    cut, accuracy, requirements = _judge(s, treated["think"], control["think"], treated["accuracy"],
+                                         control["accuracy"], seed)
+    think = {"start": mean(base["think"]), "budget": mean(treated["think"]), "no budget": mean(control["think"])}
+    acc = {"start": mean(base["accuracy"]), "budget": mean(treated["accuracy"]),
+           "no budget": mean(control["accuracy"])}
+    say(f"held-out think tokens: start {think['start']:.1f}, budget {think['budget']:.1f}, no budget "
+        f"{think['no budget']:.1f} (cut {cut:.0%}); accuracy {acc['start']:.3f} / {acc['budget']:.3f} / "
+        f"{acc['no budget']:.3f}")
+    return Result(NAME, CLAIM, METRIC, "full", [seed], treatment=arm(base["think"], treated["think"], seed=seed),
+                  control=arm(base["think"], control["think"], seed=seed, name="the same RL without budgets"),
+                  effect=arm(control["think"], treated["think"], seed=seed), seconds=time.perf_counter() - t0,
+                  requirements=requirements,
+                  details={"think_tokens": think, "accuracy": acc,
+                           "accuracy_budget_minus_control": accuracy.to_dict(), "cut": cut,
+                           "start_checkpoint": str(folder)},
                   settings=dict(s))

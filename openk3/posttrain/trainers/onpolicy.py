@@ -94,7 +94,8 @@ class OnPolicyConfig:
                 raise self.bad(field, f"an integer >= {least}")
         if not self.lr > 0:
             raise self.bad("lr", "> 0")
-        if self.update_ref is not None and not (isinstance(self.update_ref, (int, float)) and self.update_ref > 0):
+        if self.update_ref is not None and not (isinstance(self.update_ref, (int, float))
+                                                and not isinstance(self.update_ref, bool) and self.update_ref > 0):
             raise self.bad("update_ref", "> 0 or None")
         m = self.micro_tokens  # None: the whole batch at once
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
