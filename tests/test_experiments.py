@@ -97,6 +97,7 @@ def test_mopd_vs_merge_smoke_is_supported_and_merges_stay_near_chance(tmp_path):
         if name.startswith("merge: "):  # no merge can follow a tag neither teacher reads: about chance
             assert abs(sum(per.values()) / len(per) - 0.5) < 0.15, (name, per)
     assert d["details"]["vs_best_merge"]["ci95"][0] > 0
+    assert d["requirements"]["the student follows the tag more than the start"]["holds"]
 
 
 def test_a_requirement_that_fails_makes_the_claim_not_supported():
@@ -113,6 +114,9 @@ def test_a_requirement_that_fails_makes_the_claim_not_supported():
 
     assert not raised(result.arm(flat, flat))["accuracy rises over the SFT start"]["holds"]
     assert raised(result.arm(up, flat))["accuracy rises over the SFT start"]["holds"]
+    from openk3.experiments.mopd_vs_merge import follows
+
+    assert not follows(result.arm(flat, flat))["the student follows the tag more than the start"]["holds"]
 
 
 def test_turn_ids_are_what_the_parser_reads_back():
