@@ -41,7 +41,7 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: Inside a package with rooms, the same rule one level down (the rooms are listed in the package docstring).
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     "posttrain": [("domains",), ("trainers",), ("evaluation", "merge"), ("pipeline",)],
-    "experiments": [("tasks",), ("result", "arms"), ("rl_heldout", "mopd_vs_merge", "effort_budget")],
+    "experiments": [("tasks", "full"), ("result", "arms"), ("rl_heldout", "mopd_vs_merge", "effort_budget")],
 }
 
 

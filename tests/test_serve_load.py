@@ -39,6 +39,7 @@ MODEL = "nano-load"
 CLIENTS = 32
 MAX_NUM_SEQS = 4
 MAX_QUEUE = 24  # 28 choices in flight at most; the clients ask for 35, so some are refused (429)
+STOP_ABORT_SLACK = 8  # engine steps that may pass between the server's abort at a stop string and its arrival
 DISCONNECT_MAX_TOKENS = 3000  # a disconnecting client's request would run this long if it were not aborted
 RUN_DEADLINE_S = 120
 
@@ -274,9 +275,12 @@ def test_concurrent_streams_lose_nothing(tmp_path):
             assert rec["texts"][0].endswith("Hello ") and "world" not in rec["texts"][0], (who, rec["texts"])
             assert rec["finish"][0] == "stop", who
         if c["kind"] == "stop_chat":
-            # the chat server stops at the content's stop string itself and aborts the engine request, which
-            # may have generated one more token by then
-            assert completion_tokens <= engine_tokens <= completion_tokens + 1, (who, completion_tokens, outs)
+            # the chat server stops at the content's stop string itself and aborts the engine request; the engine
+            # runs in its own process and keeps stepping until the abort arrives over the pipe, so it may have
+            # generated a few more tokens by then (1 on a quiet machine, 2 seen under CI load): never sent, and
+            # never counted in usage
+            assert completion_tokens <= engine_tokens <= completion_tokens + STOP_ABORT_SLACK, \
+                (who, completion_tokens, outs)
         else:
             assert completion_tokens == engine_tokens, (who, completion_tokens, outs)
             assert all(o.finish_reason in ("stop", "length") for o in outs), who
