@@ -100,6 +100,16 @@ def test_mopd_vs_merge_smoke_is_supported_and_merges_stay_near_chance(tmp_path):
     assert d["requirements"]["the student follows the tag more than the start"]["holds"]
 
 
+@pytest.mark.slow(seconds=95)  # 95 s here with AVX-512, 3.3-4.2 min on the AVX2 host: SFT on whole turns, two RL runs
+def test_effort_budget_smoke_is_supported_and_meets_both_requirements(tmp_path):
+    rc, out = command(["effort-budget", "--seed", "0", "--out", str(tmp_path), "--threads", "1"])
+    d = json.loads((tmp_path / "result.json").read_text())
+    assert rc == 0 and d["verdict"] == "supported" and d["control"]["verdict"] == "not supported", out
+    assert all(r["holds"] for r in d["requirements"].values()) and d["details"]["cut"] >= 0.3
+    think = d["details"]["think_tokens"]
+    assert think["budget"] < 0.7 * think["no budget"] and think["budget"] < think["start"]
+
+
 def test_a_requirement_that_fails_makes_the_claim_not_supported():
     up = {f"p{k}": 1.0 for k in range(30)}
     flat = {f"p{k}": 0.0 for k in range(30)}
