@@ -162,10 +162,8 @@ def run_full(s: dict, seed: int, say, out) -> Result:
     from openk3.posttrain.domains.budget import BudgetConfig, annealed_budget
 
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    folder = full.sft_start(out / "start", seed, say, s["start_profile"])
-    model, tok = full.open_model(folder)
-    start = copy.deepcopy(model.state_dict())
+    start = full.open_start(out, seed, say, s["start_profile"])
+    model, tok = start.model, start.tok
     name = f"general/{s['effort']}"
     budgets = BudgetConfig()
 
@@ -185,8 +183,8 @@ def run_full(s: dict, seed: int, say, out) -> Result:
             return dataclasses.replace(p, id=f"{p.id}@{step}", budget=b)
 
         roll = dict(response_cap=s["response_cap"], **({} if budget else {"over_budget_reward": 0.0}))
-        return rl_arm(start, seed, pool, s, name=NAME, problem=problem, label="budget" if budget else "no budget",
-                      say=say, roll=roll, tok=tok, build=lambda: full.open_model(folder)[0])
+        return rl_arm(start.state, seed, pool, s, name=NAME, problem=problem,
+                      label="budget" if budget else "no budget", say=say, roll=roll, tok=tok, build=start.fresh)
 
     base = full.arm_cache(out, "start", lambda: evaluate(model))
     treated = full.arm_cache(out, "budget", lambda: evaluate(rl_full(True)))
@@ -205,5 +203,5 @@ def run_full(s: dict, seed: int, say, out) -> Result:
                   requirements=requirements,
                   details={"think_tokens": think, "accuracy": acc,
                            "accuracy_budget_minus_control": accuracy.to_dict(), "cut": cut,
-                           "start_checkpoint": str(folder)},
+                           "start_checkpoint": str(start.folder)},
                   settings=dict(s))

@@ -1,8 +1,8 @@
 """The full profiles' material: a real post-training start (the pipeline's smoke SFT model of the `general`
 domain), its problems, sampled scores for filtering prompts and greedy evaluation per problem.
 
-    folder = sft_start(out / "start", seed, say)                 # the pipeline's smoke SFT, general only
-    model, tok = open_model(folder)
+    start = open_start(out, seed, say, "smoke")                  # the pipeline's smoke SFT, general only
+    model, tok = start.model, start.tok                          # (start.folder, start.state, start.fresh())
     pool = problems(tok, "high", "train", 320, seed)            # rollout.Problem list, deterministic in seed
     samples = sample_scores(model, tok, pool, k=8, temperature=0.7, think_cap=320, response_cap=64, seed=seed)
     scores = greedy(model, tok, [("general", "high")], n=300, seed=seed, think_cap=320)   # per-problem cells
@@ -17,8 +17,10 @@ arm's per-problem scores (`arms/NAME.json`), so a rerun of the same command cont
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,6 +61,30 @@ def open_model(folder: str | Path):
 
     tok, _ = checkpoint_tokenizer(Path(folder), "the experiments render prompts with the model's own tokenizer")
     return load(folder, dtype=torch.float32).eval(), tok
+
+
+@dataclass
+class Start:
+    """The common start of a full profile's arms: its checkpoint folder, the model (float32, eval mode), its
+    tokenizer and a copy of its weights (every arm starts from them)."""
+
+    folder: Path
+    model: torch.nn.Module
+    tok: object
+    state: dict
+
+    def fresh(self) -> torch.nn.Module:
+        """Another model of the start's shape (an arm's, which loads `state` into it)."""
+        return open_model(self.folder)[0]
+
+
+def open_start(out: Path, seed: int, say, profile: str, data_fn: Callable | None = None) -> Start:
+    """`sft_start` in out/start (`profile`, `data_fn` as there), opened, with its weights copied; the experiment's
+    RNG seeded first."""
+    torch.manual_seed(seed)
+    folder = sft_start(out / "start", seed, say, profile, data_fn=data_fn)
+    model, tok = open_model(folder)
+    return Start(folder, model, tok, copy.deepcopy(model.state_dict()))
 
 
 def problems(tok, effort: str, split: str, n: int, seed: int, chunk: int = 64) -> list:

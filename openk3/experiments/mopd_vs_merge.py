@@ -43,6 +43,7 @@ Full profile (one CPU core, ~30 minutes a seed; `full.py`): three effort special
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import random
 import time
@@ -134,6 +135,17 @@ def make_teacher(base: dict, seed: int, cell: str, train, val, s: dict, say) -> 
     return model.eval().requires_grad_(False)
 
 
+def shuffled_routing(seed: int):
+    """The control's `route_fn`: each step's cells permuted among its samples (seeded by the seed and the step)."""
+    def permute(cells: list[str], step: int) -> list[str]:
+        rng = random.Random(f"route|{seed}|{step}")
+        out = list(cells)
+        rng.shuffle(out)
+        return out
+
+    return permute
+
+
 def mopd_arm(base: dict, seed: int, teachers: dict, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
     """MOPD from the base (`arms.run_arm` with `mopd_step`); `shuffle`: the control's permuted routing."""
     from openk3.posttrain.trainers.mopd import MOPDConfig, mopd_step
@@ -142,12 +154,6 @@ def mopd_arm(base: dict, seed: int, teachers: dict, train, s: dict, shuffle: boo
     cfg = MOPDConfig(lr=s["mopd_lr"], group_size=s["group_size"], prompts_per_step=s["prompts_per_step"],
                      steps=s["steps"], seed=seed, cells=tuple(ANSWER))
 
-    def permute(cells: list[str], step: int) -> list[str]:
-        rng = random.Random(f"route|{seed}|{step}")
-        out = list(cells)
-        rng.shuffle(out)
-        return out
-
     def problem(it, step: int) -> Problem:
         domain, effort = it.cell.split("/")
         return Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn: 0.0,
@@ -155,7 +161,7 @@ def mopd_arm(base: dict, seed: int, teachers: dict, train, s: dict, shuffle: boo
 
     def step(model, opt, engine, problems, config, i) -> dict:
         return mopd_step(cfg, model, opt, engine, problems, teachers, tasks.TOK, config, i,
-                         route_fn=permute if shuffle else None)[1]
+                         route_fn=shuffled_routing(seed) if shuffle else None)[1]
 
     return run_arm(base, seed, train, cfg, name=NAME, problem=problem, step=step,
                    label="control" if shuffle else "MOPD", say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN),
@@ -300,11 +306,9 @@ def run_full(s: dict, seed: int, say, out) -> Result:
     from openk3.stats import gap_closed, paired
 
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
     cells = [f"general/{e}" for e in EFFORTS]
-    start_folder = full.sft_start(out / "start", seed, say, s["start_profile"], data_fn=shuffle_tags(seed))
-    start_model, tok = full.open_model(start_folder)
-    start = copy.deepcopy(start_model.state_dict())
+    opened = full.open_start(out, seed, say, s["start_profile"], data_fn=shuffle_tags(seed))
+    start_folder, start_model, tok, start = opened.folder, opened.model, opened.tok, opened.state
     teacher_folders = {f"general/{e}": make_full_teacher(out, start_folder, seed, e, s, say) for e in EFFORTS}
     teachers = {c: full.open_model(f)[0].requires_grad_(False) for c, f in teacher_folders.items()}
     lengths = dict(think_cap=s["think_cap"], response_cap=s["response_cap"])
@@ -352,37 +356,37 @@ def run_full(s: dict, seed: int, say, out) -> Result:
                      steps=s["steps"], seed=seed, cells=tuple(cells), max_model_len=s["context"])
 
     def mopd_full(shuffle: bool) -> torch.nn.Module:
-        def permute(routed: list[str], step: int) -> list[str]:
-            rng = random.Random(f"route|{seed}|{step}")
-            routed = list(routed)
-            rng.shuffle(routed)
-            return routed
-
         def problem(p, step: int):
             return dataclasses.replace(p, id=f"{p.id}@{step}", budget=s["think_cap"])
 
         def step(model, opt, engine, problems, config, i) -> dict:
             return mopd_step(cfg, model, opt, engine, problems, teachers, tok, config, i,
-                             route_fn=permute if shuffle else None)[1]
+                             route_fn=shuffled_routing(seed) if shuffle else None)[1]
 
         return run_arm(start, seed, pool, cfg, name=NAME, problem=problem, step=step,
                        label="control" if shuffle else "MOPD", say=say,
                        roll=dict(response_cap=s["response_cap"], over_budget_reward=0.0),
                        line=lambda m: (f"reverse KL {m['reverse_kl']:.3f}, think {m['think_mean']:.1f}, "
                                        f"update scale {m['update_scale']:.2f}"),
-                       build=lambda: full.open_model(start_folder)[0])
+                       build=opened.fresh)
 
     student = full.arm_cache(out, "mopd", lambda: think(mopd_full(False), s["test"]))
     control = full.arm_cache(out, "control", lambda: think(mopd_full(True), s["test"]))
 
     # merges: each family's setting chosen on the validation problems by the same metric
-    val_start = {c: val_think(start_model, c) for c in (low, top)}
-    val_start_sep = separation(val_start[low], val_start[top])
-    val_gain = mean(separation(val_think(teachers[low], low), val_think(teachers[top], top))) - mean(val_start_sep)
     sds = [teachers[c].state_dict() for c in cells]
-    probe = full.open_model(start_folder)[0]
+    probe = opened.fresh()
+
+    @functools.cache
+    def val_reference() -> tuple[dict, float]:
+        """(the start's separation on the validation problems, the teachers' gain over it): only a merge being
+        tuned needs them, so a rerun whose merges are all finished does not evaluate them again."""
+        start_sep = separation(val_think(start_model, low), val_think(start_model, top))
+        return start_sep, mean(separation(val_think(teachers[low], low), val_think(teachers[top], top))) \
+            - mean(start_sep)
 
     def tuned(family: str) -> dict:
+        val_start_sep, val_gain = val_reference()
         best = None
         for setting in MERGES[family]:
             probe.load_state_dict(merge(start, sds, METHOD[family], seed=seed, **setting).state_dict)

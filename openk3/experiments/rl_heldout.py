@@ -63,19 +63,25 @@ def raised(treatment: dict) -> dict:
                                                                            f"[{lo:+.3f}, {hi:+.3f}]"}}
 
 
-def rl_run(start: dict, seed: int, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
-    """The RL run from the `start` weights; `shuffle`: the control's permuted rewards."""
-    from openk3.posttrain.trainers.rollout import Problem
-
+def shuffled_rewards(seed: int):
+    """The control's `rewards_fn`: each step's batch of rewards permuted (seeded by the run's seed and the step)."""
     def permute(rewards_B: torch.Tensor, step: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 100_003 + step)
         return rewards_B[torch.randperm(rewards_B.shape[0], generator=g)]
+
+    return permute
+
+
+def rl_run(start: dict, seed: int, train, s: dict, shuffle: bool, say) -> torch.nn.Module:
+    """The RL run from the `start` weights; `shuffle`: the control's permuted rewards."""
+    from openk3.posttrain.trainers.rollout import Problem
 
     def problem(it, step: int) -> Problem:
         return Problem(f"{it.id}@{step}", it.prompt, budget=8, score=lambda turn: float(turn["ids"][0] == it.answer))
 
     return rl_arm(start, seed, train, s, name=NAME, problem=problem, label="control" if shuffle else "treatment",
-                  say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN), rewards_fn=permute if shuffle else None)
+                  say=say, roll=dict(extra_stop_ids=tasks.ONE_TOKEN),
+                  rewards_fn=shuffled_rewards(seed) if shuffle else None)
 
 
 def run(profile: str, s: dict, seed: int, say, out) -> Result:
@@ -119,10 +125,8 @@ def run_full(s: dict, seed: int, say, out) -> Result:
     from openk3.experiments import full
 
     t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    folder = full.sft_start(out / "start", seed, say, s["start_profile"])
-    model, tok = full.open_model(folder)
-    start = copy.deepcopy(model.state_dict())
+    start = full.open_start(out, seed, say, s["start_profile"])
+    model, tok = start.model, start.tok
     cell = ("general", s["effort"])
     name = f"general/{s['effort']}"
     lengths = dict(think_cap=s["think_cap"], response_cap=s["response_cap"])
@@ -144,16 +148,13 @@ def run_full(s: dict, seed: int, say, out) -> Result:
     base = full.arm_cache(out, "start", lambda: evaluate(model))["accuracy"]
 
     def rl_full(shuffle: bool) -> torch.nn.Module:
-        def permute(rewards_B: torch.Tensor, step: int) -> torch.Tensor:
-            g = torch.Generator().manual_seed(seed * 100_003 + step)
-            return rewards_B[torch.randperm(rewards_B.shape[0], generator=g)]
-
         def problem(p, step: int):  # the cap, not a budget: over it the turn scores 0 (no -1 penalty)
             return dataclasses.replace(p, id=f"{p.id}@{step}", budget=s["think_cap"])
 
-        return rl_arm(start, seed, train, s, name=NAME, problem=problem, label="control" if shuffle else "treatment",
-                      say=say, roll=dict(response_cap=s["response_cap"], over_budget_reward=0.0),
-                      rewards_fn=permute if shuffle else None, tok=tok, build=lambda: full.open_model(folder)[0])
+        return rl_arm(start.state, seed, train, s, name=NAME, problem=problem,
+                      label="control" if shuffle else "treatment", say=say,
+                      roll=dict(response_cap=s["response_cap"], over_budget_reward=0.0),
+                      rewards_fn=shuffled_rewards(seed) if shuffle else None, tok=tok, build=start.fresh)
 
     reason = None
     if len(train) < s["prompts_per_step"]:
@@ -168,7 +169,7 @@ def run_full(s: dict, seed: int, say, out) -> Result:
                   control=arm(control, base, seed=seed, name="rewards shuffled within the batch"),
                   effect=arm(treated, control, seed=seed), seconds=time.perf_counter() - t0, reason=reason,
                   details={"start_accuracy": mean(base), "treatment_accuracy": mean(treated),
-                           "control_accuracy": mean(control), "start_checkpoint": str(folder),
+                           "control_accuracy": mean(control), "start_checkpoint": str(start.folder),
                            "training_prompts": len(train), "candidates": len(pool),
                            "pass_histogram": histogram,
                            "training_families": {f: sum(p.meta["family"] == f for p in train)
