@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
 import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +37,7 @@ from openk3.config_rules import (
     typo_hint,
     warn_unknown,
 )
+from openk3.config_types import type_problem
 from openk3.fsutil import read_json, write_atomic
 
 # Keys that appear in released config.json files but do not change the text model's math. They are
@@ -47,7 +45,7 @@ from openk3.fsutil import read_json, write_atomic
 _METADATA_KEYS = frozenset({
     "_name_or_path", "_commit_hash", "auto_map", "transformers_version", "torch_dtype", "dtype",
     "bos_token_id", "pad_token_id", "initializer_range", "use_cache", "model_max_length", "head_dim",
-    "rope_theta", "rope_scaling", "attention_dropout", "attention_bias", "pretraining_tp",
+    "rope_scaling", "attention_dropout", "attention_bias", "pretraining_tp",
     "output_router_logits", "ignore_index", "quantization_config",
 })
 # Top-level keys of a `kimi_k3` wrapper that belong to other towers or to the wrapper itself.
@@ -104,6 +102,9 @@ class K3Config:
     num_key_value_heads: int | None = None
     q_lora_rank: int | None = None
     mla_use_nope: bool = True
+    # RoPE base of the MLA "rope" dims, read only when mla_use_nope is false (the K2-style baseline; no K3
+    # preset). transformers' and DeepSeek's name and default.
+    rope_theta: float = 10000.0
     mla_use_output_gate: bool = False
     max_position_embeddings: int = 1048576
     hidden_act: str = "silu"
@@ -135,7 +136,9 @@ class K3Config:
     mla_latent_norm_eps: float = 1e-6
     # Keys from the file that are not fields: metadata (see _METADATA_KEYS), unknown keys (kept with a
     # warning), the wrapper's other towers ("_wrapper") and unknown linear_attn_config keys
-    # ("_linear_attn_config"); `to_dict` writes them back.
+    # ("_linear_attn_config"); `to_dict` writes them back. Also "rope_theta" when the file has it at a value
+    # `to_dict` would leave out (NoPE, the default: Kimi-Linear's file), so a save keeps the key; the field
+    # holds the value.
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -216,7 +219,7 @@ class K3Config:
             raise ValueError(f"config field 'num_shared_experts' must be >= 0, got {self.num_shared_experts!r}")
         # eps 0 divides by zero on an all-zero row; a SiTU beta <= 0 divides by zero or flips the cap.
         for name in ("rms_norm_eps", "mla_latent_norm_eps", "activation_situ_beta", "activation_situ_linear_beta",
-                     "routed_scaling_factor"):
+                     "routed_scaling_factor", "rope_theta"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"config field {name!r} must be a finite number > 0, got {v!r}")
@@ -252,9 +255,10 @@ class K3Config:
         if self.num_key_value_heads != self.num_attention_heads:
             raise ValueError(f"config field 'num_key_value_heads' must equal num_attention_heads "
                              f"({self.num_attention_heads}) for MLA, got {self.num_key_value_heads}")
-        if not self.mla_use_nope:
-            raise ValueError("config field 'mla_use_nope' must be true: openk3 implements NoPE MLA only "
-                             "(K3 and Kimi-Linear never rotate the rope slots)")
+        if not self.mla_use_nope and (self.qk_rope_head_dim == 0 or self.qk_rope_head_dim % 2):
+            # RoPE turns the rope dims in pairs (openk3.ops.rope); K3 and Kimi-Linear (NoPE) never rotate them
+            raise ValueError(f"config field 'qk_rope_head_dim' must be even and > 0 when mla_use_nope is false "
+                             f"(RoPE rotates pairs of dims), got {self.qk_rope_head_dim}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             raise ValueError(f"config field 'attn_res_block_size' must be positive, got {self.attn_res_block_size}")
         if self.routed_expert_hidden_size is not None and self.routed_expert_hidden_size <= 0:
@@ -291,6 +295,10 @@ class K3Config:
                 continue
             v = getattr(self, f.name)
             if f.name in _OPENK3_ONLY and v == f.default:
+                continue
+            # rope_theta means nothing to a NoPE model: written when it matters, when changed, or when the
+            # file had it (extra["rope_theta"] marks that; the field's value is what is written)
+            if f.name == "rope_theta" and _rope_theta_unused(self.mla_use_nope, v) and f.name not in self.extra:
                 continue
             out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
         for k, v in self.extra.items():
@@ -344,6 +352,8 @@ class K3Config:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         kwargs = {k: v for k, v in d.items() if k in names}
         extra = {k: v for k, v in d.items() if k not in names and k not in _TRANSFORMERS_DERIVED}
+        if "rope_theta" in d and _rope_theta_unused(d.get("mla_use_nope", True), d["rope_theta"]):
+            extra["rope_theta"] = d["rope_theta"]  # a field, but to_dict needs the mark to write it back
         derived = {k: v for k, v in d.items() if k in _TRANSFORMERS_DERIVED}
         unknown = sorted(set(d) - names - _METADATA_KEYS - _TRANSFORMERS_DERIVED)
         la = d.get("linear_attn_config")
@@ -421,47 +431,20 @@ class K3Config:
             if leaf not in target:
                 raise ValueError(f"unknown config field {key!r}")
             target[leaf] = value
+        if "extra" not in changes and not _rope_theta_unused(d["mla_use_nope"], d["rope_theta"]):
+            d["extra"].pop("rope_theta", None)  # the field is written now (see to_dict): no mark needed
         d["linear_attn_config"] = LinearAttnConfig(**d["linear_attn_config"])
         return K3Config(**d)
 
 
-_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)  # resolving the string annotations is slow: once per class
-
-
-def type_problem(cls: type, name: str, value: Any) -> str | None:
-    """None if `value` fits the annotation of field `name` of dataclass `cls` (K3Config or
-    LinearAttnConfig), else what it should be, e.g. "an integer or null". JSON booleans are not numbers."""
-    hint = _type_hints(cls)[name]
-    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    if any(_fits(k, value) for k in kinds):
-        return None
-    return " or ".join(_describe(k) for k in kinds)
-
-
-def _fits(kind, value) -> bool:
-    if kind is type(None):
-        return value is None
-    if typing.get_origin(kind) is list:
-        return isinstance(value, list) and all(_fits(typing.get_args(kind)[0], v) for v in value)
-    if kind in (int, float) and isinstance(value, bool):
-        return False
-    return isinstance(value, (int, float) if kind is float else kind) if kind in _TYPE_NAMES else True
-
-
-def _describe(kind) -> str:
-    if kind is type(None):
-        return "null"
-    if typing.get_origin(kind) is list:
-        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(kind)[0], "values")
-    return _TYPE_NAMES.get(kind, getattr(kind, "__name__", str(kind)))
-
-
 _OPENK3_ONLY = frozenset({"mla_latent_norm_eps"})
+
+
+def _rope_theta_unused(mla_use_nope: Any, rope_theta: Any) -> bool:
+    """A NoPE model with the default RoPE base: `to_dict` leaves `rope_theta` out (K3's files have none)."""
+    return mla_use_nope is True and rope_theta == _default_of("rope_theta")
+
+
 # Fields transformers' KimiLinearConfig derives from the release fields and writes back on save.
 _TRANSFORMERS_DERIVED = frozenset({"layer_types", "mlp_layer_types", "linear_conv_kernel_dim", "linear_head_dim",
                                    "linear_num_heads", "qk_head_dim"})

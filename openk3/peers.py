@@ -45,7 +45,7 @@ __all__ = ["check_kimi_linear_form", "to_transformers", "to_transformers_state_d
 
 
 def check_kimi_linear_form(cfg) -> None:
-    """Raise ValueError naming the first K3-only feature that transformers' KimiLinear cannot express."""
+    """Raise ValueError naming the first K3-only feature (or RoPE MLA) that transformers' KimiLinear cannot express."""
     la = cfg.linear_attn_config
     k3_only = [
         ("attn_res_block_size", cfg.attn_res_block_size is not None, "Block Attention Residuals"),
@@ -61,6 +61,9 @@ def check_kimi_linear_form(cfg) -> None:
         if used:
             raise ValueError(f"config field {name!r} selects a K3-only feature ({what}) that transformers' "
                              f"KimiLinear does not implement; convert the config with openk3.config.as_kimi_linear")
+    if not cfg.mla_use_nope:
+        raise ValueError("config field 'mla_use_nope' is false (RoPE MLA, the K2-style baseline): transformers' "
+                         "KimiLinear implements NoPE MLA only")
 
 
 def _token_id(value: Any, vocab: int) -> Any:

@@ -8,7 +8,9 @@ LAYOUT: "shard" (parallel.dp_shard = world size, FSDP2), "replicate" (parallel.d
 HSDP with shard groups of one), "ep" (parallel.dp_shard = parallel.ep = world size: the routed experts
 spread over the ranks, the rest FSDP2) or "pp" (parallel.pp = world size: pipeline stages at AttnRes block
 boundaries, N micro-batches through torch's schedule); a "-bf16" suffix trains under bf16 autocast (the trainer's
-mixed precision: fp32 parameters and islands, bf16 matmuls) instead of fp32, "bf16" alone in one process.
+mixed precision: fp32 parameters and islands, bf16 matmuls) instead of fp32, "bf16" alone in one process; a
+"-sign" suffix balances with the sign rule (`balance=sign`, sign_rate 0.01) instead of QB, "sign" alone in one
+process.
 N: micro-batches per step on each rank (grad_accum, default 1). Several LAYOUT:N runs one after another in the
 same processes (one launch, one process group; a fresh model, mesh and trainer each): OUT.pt then holds
 {"LAYOUT:N": result, ...}; "LAYOUT:N#label" runs a spec again under its own key (the determinism check).
@@ -67,13 +69,15 @@ def run(out_path: str | None, steps: int = 3, layout: str = "shard", grad_accum:
     keeps the process group for a next run. `layers`: nano's depth (default 9 for bf16 layouts, else 4)."""
     setup_cpu(1)
     world, _, _ = world_from_env()
+    layout, sign = layout.removesuffix("-sign"), layout.endswith("sign")
     layout, bf16 = layout.removesuffix("-bf16"), layout.endswith("bf16")
-    degrees = {"shard": {"dp_shard": world}, "bf16": {}, "replicate": {"dp_replicate": world},
+    degrees = {"shard": {"dp_shard": world}, "bf16": {}, "sign": {}, "replicate": {"dp_replicate": world},
                "ep": {"dp_shard": world, "ep": world}, "pp": {"pp": world}}[layout]
     # bf16: all 9 layers, where the measured tolerances of the mixed-precision test hold (on the 4-layer cut the
     # first loss of ep-bf16 differs from one process in its last bits)
     cfg = TrainConfig(model=nano_cut(layers or (9 if bf16 else 4)), batch_size=B, seq_len=T, max_steps=steps, warmup=1,
-                      grad_accum=grad_accum, parallel=ParallelConfig(**degrees), dtype="bf16" if bf16 else "fp32")
+                      grad_accum=grad_accum, parallel=ParallelConfig(**degrees), dtype="bf16" if bf16 else "fp32",
+                      balance="sign" if sign else "qb", sign_rate=0.01)
     mesh = init_mesh(cfg.parallel, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum)
     model = K3ForCausalLM.build(cfg.model, seed=0)  # the same weights on every rank
     trainer = build_trainer(model, None, cfg, mesh=mesh)

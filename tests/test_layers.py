@@ -20,7 +20,7 @@ PACKAGE = Path(openk3.__file__).parent
 #: layer are siblings and do not import each other. "openk3" is the package root (`openk3/__init__.py`, the
 #: public API: `load`, `save`, `LLM`, ...). Keep docs/architecture.md's diagram in step with this list.
 LAYERS: list[tuple[str, ...]] = [
-    ("fsutil", "config_rules", "log", "stats"),  # stdlib only
+    ("fsutil", "config_rules", "config_types", "log", "stats"),  # stdlib only
     ("config", "chart", "tokenizer", "chat"),  # no torch: configs, plots, tokenizer, the XTML chat format
     ("plan", "peers"),  # torch-free arithmetic over configs (counts, memory, cost); transformers' peer (lazy)
     ("common",),  # torch helpers
@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("train",),  # the run loop and pretraining
     ("infer", "agent"),  # engine and LLM; sandboxes, tools, task families
     ("serve",),  # the OpenAI-compatible server
-    ("posttrain",),  # SFT, RL, MOPD, merging, evaluation
+    ("posttrain", "scaling"),  # SFT, RL, MOPD, merging, evaluation; the scaling lab's families, ladders, fits
     ("experiments",),  # each claim as an experiment with a control and intervals
     ("commands", "openk3"),  # the CLI's commands; the public API
     ("__main__",),  # `python -m openk3` / the `openk3` door
@@ -41,7 +41,7 @@ RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 #: Inside a package with rooms, the same rule one level down (the rooms are listed in the package docstring).
 ROOMS: dict[str, list[tuple[str, ...]]] = {
     "posttrain": [("domains",), ("trainers",), ("evaluation", "merge"), ("pipeline",)],
-    "experiments": [("tasks", "full"), ("result", "arms"), ("rl_heldout", "mopd_vs_merge", "effort_budget")],
+    "experiments": [("tasks", "full"), ("result", "arms"), ("rl_heldout", "mopd_vs_merge", "effort_budget", "scaling")],
 }
 
 

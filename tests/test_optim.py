@@ -102,6 +102,29 @@ def test_classification_table(cfg):
     assert plain[f"model.layers.{moe}.block_sparse_moe.gate.weight"]["optimizer"] == "muon"
 
 
+def test_muon_off_puts_every_parameter_on_adamw(cfg):
+    """optim.muon=False (the Muon -> AdamW ablation): the same kinds and weight decays, all on AdamW at
+    adamw_lr (else lr), no Muon optimizer; the Muon-only options are left unused, muon_router is refused."""
+    model = _model(cfg)
+    muon_groups = param_groups(model, OptimConfig())
+    groups = param_groups(model, OptimConfig(muon=False, adamw_lr=3e-3))
+    assert {g["optimizer"] for g in groups} == {"adamw"} and all(g["heads"] == 1 for g in groups)
+    assert [g["kind"] for g in groups] == list(dict.fromkeys(g["kind"] for g in muon_groups))  # first appearance
+    assert {g["lr"] for g in groups} == {3e-3}
+    before = {n: (g["kind"], g["weight_decay"]) for g in muon_groups for n in g["names"]}
+    after = {n: (g["kind"], g["weight_decay"]) for g in groups for n in g["names"]}
+    assert after == before  # matrices and experts keep their decay, vectors/convs/queries stay without
+    assert [n for g in groups for n in g["names"]] == [n for g in param_groups(model, OptimConfig(muon=False))
+                                                       for n in g["names"]]  # deterministic
+    assert {g["lr"] for g in param_groups(model, OptimConfig(muon=False, lr=1e-2))} == {1e-2}
+    opt = build_optimizer(model, OptimConfig(muon=False, per_head=False, adamw_lr=3e-3))
+    assert opt.muon is None and opt.optimizers == [opt.adamw]
+    assert {id(p) for p in opt.params()} == {id(p) for p in model.parameters()}
+    assert OptimConfig(muon=False, adamw_lr=3e-3).peak_lr == 3e-3 and OptimConfig(adamw_lr=3e-3).peak_lr == 2e-4
+    with pytest.raises(ValueError, match="muon_router.*muon=False"):
+        OptimConfig(muon=False, muon_router=True)
+
+
 # -- Muon math ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(32, 128), (96, 48), (3, 40, 24)], ids=str)
@@ -285,12 +308,14 @@ def test_qk_clip_caps_clipped_heads_only(cfg):
 # -- training smoke ------------------------------------------------------------------------------------
 
 @pytest.mark.slow(seconds=4)  # 30 optimizer steps of nano cut to 4 layers (every layer kind: KDA, MLA, dense, MoE)
-def test_training_smoke_loss_drops(cfg):
+@pytest.mark.parametrize("muon", [True, False], ids=["muon", "adamw"])
+def test_training_smoke_loss_drops(cfg, muon):
     from openk3.train.config import TrainConfig, apply_overrides
 
     cfg = apply_overrides(TrainConfig(model=cfg), ["model.num_hidden_layers=4"]).model
     model = _model(cfg)
-    opt = build_optimizer(model, OptimConfig(lr=3e-3))
+    opt = build_optimizer(model, OptimConfig(lr=3e-3, muon=muon))
+    assert (opt.muon is None) == (not muon)
     sched = LRSchedule(opt, kind="cosine", warmup=3, total=30)
     ids = torch.randint(0, cfg.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     losses, worst = [], []

@@ -140,7 +140,7 @@ def test_four_micro_batches_equal_one_batch(single, tmp_path):
 LAYOUTS = ("shard:1", "replicate:1", "ep:1", "ep:2", "pp:1", "pp:2")
 # one launch of 2 processes runs them all in turn: the six fp32 layouts, mixed precision under expert parallelism,
 # and the first layout once more (its repeat must be bit for bit the same)
-RUNS = (*LAYOUTS, "ep-bf16:1", "shard:1#again")
+RUNS = (*LAYOUTS, "ep-bf16:1", "shard-sign:1", "shard:1#again")
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +148,13 @@ def single_bf16(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("b1") / "b1.pt", 1, "bf16")
 
 
-@pytest.mark.slow(seconds=25)  # one torchrun launch of 2 processes running eight runs in turn (~25 s on 2 CPUs)
-def test_two_data_ranks_equal_one_process_in_every_layout(single, single_bf16, tmp_path):
+@pytest.fixture(scope="module")
+def single_sign(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("s1") / "s1.pt", 1, "sign")
+
+
+@pytest.mark.slow(seconds=28)  # one torchrun launch of 2 processes running nine runs in turn (~28 s on 2 CPUs)
+def test_two_data_ranks_equal_one_process_in_every_layout(single, single_bf16, single_sign, tmp_path):
     """One launch of 2 gloo processes runs, one after another (each with a fresh model, mesh and trainer on the one
     process group; only the first joins a fresh group, and EP and PP also start fresh launches in the resume test):
 
@@ -163,7 +168,8 @@ def test_two_data_ranks_equal_one_process_in_every_layout(single, single_bf16, t
        equals one process in bf16: the same rounding points, only the gradient sums' order differs. Measured: the
        first loss to the bit (fp32's differs by 1.2e-5), later losses within 3e-5 relative, parameters within
        1.6e-4 after 3 steps (bf16 against fp32 in one process: 5.6e-4).
-    3. The first layout again, after the others in the same processes: identical losses, gradient norms, weights
+    3. The sign rule (`balance=sign`) under FSDP2: the all-reduced expert loads give the single process's biases.
+    4. The first layout again, after the others in the same processes: identical losses, gradient norms, weights
        and QB biases, bit for bit (T9: no nondeterministic reduction order in the collectives or the QB gather, and
        nothing a run leaves behind changes the next)."""
     runs = _run(tmp_path / "w2.pt", 2, " ".join(RUNS))
@@ -203,7 +209,13 @@ def test_two_data_ranks_equal_one_process_in_every_layout(single, single_bf16, t
     islands = [k for k in got["params"] if k.endswith(("A_log", "dt_bias", "conv1d.weight"))]
     assert islands and all(got["params"][k].dtype == torch.float32 for k in islands)
 
-    # 3. the repeat
+    # 3. the sign rule: every bias a whole number of sign_rate steps (not QB's), the same as in one process
+    got, ref = runs["shard-sign:1"], single_sign
+    assert_same_run(ref, got)
+    for k, b in ref["biases"].items():
+        assert torch.allclose(b / 0.01, (b / 0.01).round(), atol=1e-3) and not torch.equal(b, single["biases"][k])
+
+    # 4. the repeat
     a, b = runs["shard:1"], runs["shard:1#again"]
     assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])

@@ -4,6 +4,7 @@
     openk3 plan --hardware b300 --concurrency 64 --context 8192 --plot mem.png
     openk3 plan --preset k2 --expert-format int4   # Kimi K2 for comparison
     openk3 plan --audit                            # circulating claims, recomputed
+    openk3 plan --audit --evidence runs/exp/k3-vs-k2 runs/exp/attnres   # + the measured multipliers
     openk3 plan --list-hardware                    # the catalogue with its sources
 
 Imports no torch: the whole plan is arithmetic over the config (see openk3/plan/); matplotlib is imported
@@ -56,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--train-gpus", type=int, default=None, help="GPUs (default: the fewest that fit)")
     t.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per GPU per micro-step")
     p.add_argument("--audit", action="store_true", help="recompute circulating K3 claims instead of planning")
+    p.add_argument("--evidence", nargs="+", default=None, metavar="DIR",
+                   help="with --audit: scaling-lab results (result.json or its folder) whose measured compute "
+                        "multipliers are cited beside the published ones")
     p.add_argument("--list-hardware", action="store_true", help="print the hardware catalogue with sources")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw the plan's memory against context (stacked by component) into this PNG file")
@@ -65,8 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from openk3.plan import ServeSpec, TrainSpec, audit, hardware, models, plan, report
 
+    if args.evidence and not args.audit:
+        raise ValueError("--evidence goes with --audit")
     if args.audit:
-        items = audit.audit()
+        items = audit.audit() + (audit.evidence(args.evidence) if args.evidence else [])
         print(json.dumps(items, indent=2) if args.json else report.audit_text(items), end="\n" if args.json else "")
         return 0
     if args.list_hardware:

@@ -10,7 +10,8 @@ An experiment module has NAME, CLAIM, METRIC, PROFILES ({profile name: its setti
 seed, say, out) -> result.Result` (called with one of its PROFILES and that profile's settings `s`; `out`, the
 experiment's folder, keeps what a full profile can continue from); the shared part (the result schema, the
 verdict rule, result.json and result.png) is `result.py`, the trained arms `arms.py`, the smoke profiles' tiny
-model and tasks `tasks.py`, the full profiles' start, problems and evaluation `full.py`. Rooms, bottom to
+model and tasks `tasks.py`, the full profiles' start, problems and evaluation `full.py`; the scaling
+lab's five compute-multiplier experiments are objects of `scaling.py` (on `openk3.scaling`). Rooms, bottom to
 top: tasks and full, then result and arms, then the experiments.
 """
 
@@ -25,13 +26,21 @@ EXPERIMENTS = {
     "rl-heldout": "openk3.experiments.rl_heldout",
     "mopd-vs-merge": "openk3.experiments.mopd_vs_merge",
     "effort-budget": "openk3.experiments.effort_budget",
+    # the scaling lab (issue 31): one shared module, an object per claim
+    "k3-vs-k2": "openk3.experiments.scaling:k3_vs_k2",
+    "attnres": "openk3.experiments.scaling:attnres",
+    "latent-moe": "openk3.experiments.scaling:latent_moe",
+    "kda-hybrid": "openk3.experiments.scaling:kda_hybrid",
+    "muon-vs-adamw": "openk3.experiments.scaling:muon_vs_adamw",
 }
 
 
 def experiment(name: str) -> ModuleType:
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r} (experiments: {', '.join(EXPERIMENTS)})")
-    return importlib.import_module(EXPERIMENTS[name])
+    path, _, attr = EXPERIMENTS[name].partition(":")
+    module = importlib.import_module(path)
+    return getattr(module, attr) if attr else module
 
 
 def run_experiment(name: str, profile: str, seed: int, out: str | os.PathLike, say=None,

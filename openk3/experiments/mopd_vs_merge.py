@@ -62,7 +62,7 @@ METRIC = "agreement with the routed teacher on held-out prompts"
 
 SMOKE = dict(train=2000, val=200, test=400, teacher_lr=1e-3, teacher_max_steps=200, teacher_at=0.95,
              mopd_lr=1e-3, steps=40, prompts_per_step=16, group_size=2)
-FULL = dict(start_profile="smoke", test=100, val=30, pool=150, teacher_lr=5e-4, teacher_epochs=6, think_cap=320,
+FULL = dict(start_profile="smoke", test=200, val=30, pool=150, teacher_lr=5e-4, teacher_epochs=6, think_cap=320,
             response_cap=64, mopd_lr=5e-4, steps=300, prompts_per_step=12, group_size=1, context=1024)
 PROFILES = {"smoke": SMOKE, "full": FULL}
 FULL_METRIC = ("share of the routed teachers' separation of the tags recovered (think tokens under the max tag "

@@ -38,8 +38,8 @@ def arm(a: Mapping[Hashable, float], b: Mapping[Hashable, float], *, seed: int =
             "p_greater": t.p_greater, "n": t.n}
 
 
-def verdict_of(ci95) -> str:
-    return "supported" if ci95[0] > 0 else "not supported"
+def verdict_of(ci95, null: float = 0.0) -> str:
+    return "supported" if ci95[0] > null else "not supported"
 
 
 @dataclasses.dataclass
@@ -60,6 +60,11 @@ class Result:
     # conditions of the claim besides the effect (effort-budget: the cut is >= 30 %, no accuracy loss):
     # {name: {"holds": bool, "detail": str}}; "supported" needs every one
     requirements: dict = dataclasses.field(default_factory=dict)
+    # the effect's "no effect" value: 0 for differences, 1 for ratios (the scaling lab's compute multipliers,
+    # where treatment and control are each arm's fitted loss and only the effect is judged)
+    null: float = 0.0
+    extra: dict = dataclasses.field(default_factory=dict)  # experiment-specific top-level keys of result.json
+    plot: Any = dataclasses.field(default=None, repr=False)  # plot(result, path) instead of the bar chart
 
     @property
     def verdict(self) -> str:
@@ -67,14 +72,25 @@ class Result:
             return "inconclusive"
         if not all(r["holds"] for r in self.requirements.values()):
             return "not supported"
-        return verdict_of(self.effect["ci95"])
+        return verdict_of(self.effect["ci95"], self.null)
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["control"] = {**self.control, "verdict": verdict_of(self.control["ci95"])}
+        plot, self.plot = self.plot, None  # (a function is not JSON)
+        try:
+            d = dataclasses.asdict(self)
+        finally:
+            self.plot = plot
+        del d["plot"]
+        extra = d.pop("extra")
+        # a difference's control is judged by the same rule (a working control is "not supported"); a ratio
+        # experiment's control is the baseline arm's own fit, which has no verdict
+        d["control"] = {**self.control, "verdict": verdict_of(self.control["ci95"]) if self.null == 0 else None}
         d["verdict"] = self.verdict
         if self.reason is None:
             del d["reason"]
+        if self.null == 0:
+            del d["null"]
+        d.update(extra)
         order = ["experiment", "claim", "metric", "profile", "seeds", "treatment", "control", "effect", "verdict",
                  "seconds"]
         return {k: d[k] for k in order} | {k: v for k, v in d.items() if k not in order}
@@ -115,6 +131,6 @@ def write_result(result: Result, out: str | os.PathLike) -> dict:
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     d = result.to_dict()
-    plot_result(result, folder / "result.png")
+    (result.plot or plot_result)(result, folder / "result.png")
     write_atomic(folder / "result.json", (json.dumps(d, indent=1) + "\n").encode())
     return d

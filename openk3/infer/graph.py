@@ -93,6 +93,10 @@ class _GraphMLA:
     def __init__(self, ckv_nSC: torch.Tensor, kpe_nSR: torch.Tensor, pos_n: torch.Tensor):
         self.ckv, self.kpe, self.pos = ckv_nSC, kpe_nSR, pos_n
 
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """[n, 1] position of each row's new token (RoPE MLA): its write position."""
+        return self.pos[:, None]
+
     def extend(self, ckv_nTC: torch.Tensor, kpe_nTR: torch.Tensor):
         rows = torch.arange(ckv_nTC.shape[0], device=ckv_nTC.device)
         self.ckv[rows, self.pos] = ckv_nTC[:, 0]

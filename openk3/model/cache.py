@@ -12,7 +12,9 @@ Two containers speak the same protocol to the layers:
 
 Protocol: a KDA layer reads `conv_q/conv_k/conv_v/recurrent` and, when decoding one token, updates
 them in place; an MLA layer calls `state.extend(ckv_BTC, kpe_BTR)` and gets back every key plus the
-attention mask.
+attention mask. A RoPE MLA layer (`mla_use_nope: false`) first asks `state.positions(T)` for the positions
+of its new tokens, [B or 1, T]: the cache index each is written at, which is also what the mask counts
+(so the cached `kpe` is already rotated, as in DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -84,6 +86,10 @@ class MLAState:
         new_cap = max(needed, 2 * cap, 16)
         self._ckv, self._kpe = (grow_tokens(t, self.length, new_cap) for t in (self._ckv, self._kpe))
 
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """[1, T] positions of the next `num_tokens` tokens: every row has `length` tokens already."""
+        return torch.arange(self.length, self.length + num_tokens, device=self._ckv.device)[None]
+
     def extend(self, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor):
         """Append T tokens; returns (ckv_BSC, kpe_BSR, mask_BTS or None) over all S keys."""
         T = ckv_BTC.shape[1]
@@ -127,6 +133,11 @@ class SlotMLAView:
 
     def __init__(self, owner: SlotCache, layer: int, n: int) -> None:
         self.owner, self.layer, self.n = owner, layer, n
+
+    def positions(self, num_tokens: int) -> torch.Tensor:
+        """[n, 1] position of each row's new token: its own length, where `extend` writes it."""
+        assert num_tokens == 1, "slot views decode one token per row"
+        return self.owner.lengths[:self.n, None]
 
     def extend(self, ckv_BTC: torch.Tensor, kpe_BTR: torch.Tensor):
         assert ckv_BTC.shape[1] == 1 and ckv_BTC.shape[0] == self.n, "slot views decode one token per row"

@@ -1,4 +1,11 @@
-"""Gated NoPE multi-head latent attention layer (spec §4.5).
+"""Gated NoPE multi-head latent attention layer (spec §4.5), and its RoPE form.
+
+K3 and Kimi-Linear never rotate the Dr "rope" dims (`mla_use_nope: true`, every preset). With
+`mla_use_nope: false` (the scaling lab's Kimi K2 / DeepSeek-V3 style baseline) the last Dr dims of each
+query head and the shared key part `kpe` are rotated by the token's position (`openk3.ops.rope`: half-split
+pairs, inv_freq = rope_theta^(-2i/Dr)) before attention and before caching, so every attention form and the
+cache see rotated values. Positions: 0..T-1 without a cache; within each document of a packed row
+(`seg_BT`); after the cached tokens with a cache (`state.positions`, per row in a slot cache).
 
 Legend: B batch, T new tokens, S all key tokens (cache + new), D hidden, H heads, C kv_lora_rank,
 Dn/Dr/Dv nope/"rope"/value head dims, Q q_lora_rank.
@@ -13,6 +20,7 @@ from openk3.config import K3Config
 from openk3.model.cache import MLAState
 from openk3.model.layers import RMSNorm
 from openk3.ops import mla as mla_ops
+from openk3.ops import rope as rope_ops
 
 
 class GatedMLA(nn.Module):
@@ -24,6 +32,8 @@ class GatedMLA(nn.Module):
         self.kv_lora_rank = cfg.kv_lora_rank
         # NoPE, but the softmax scale uses the full 192-wide q head (spec §10.5).
         self.scale = (self.dn + self.dr) ** -0.5
+        # None: NoPE, nothing is rotated (K3); else the RoPE base of the Dr dims (K2-style baseline)
+        self.rope_theta = None if cfg.mla_use_nope else cfg.rope_theta
         if cfg.q_lora_rank is not None:
             self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.mla_latent_norm_eps)
@@ -41,6 +51,36 @@ class GatedMLA(nn.Module):
         return MLAState(torch.zeros(batch, 0, self.kv_lora_rank, device=device, dtype=dtype),
                         torch.zeros(batch, 0, self.dr, device=device, dtype=dtype))
 
+    def positions(self, num_tokens: int, *, seg_BT: torch.Tensor | None = None, state: MLAState | None = None,
+                  device: torch.device | None = None) -> torch.Tensor | None:
+        """RoPE positions [B or 1, T] of the new tokens (see the module docstring), or None for NoPE."""
+        if self.rope_theta is None:
+            return None
+        if state is not None:
+            return state.positions(num_tokens)
+        if seg_BT is not None:
+            return rope_ops.document_positions(seg_BT)
+        return torch.arange(num_tokens, device=device)[None]
+
+    def project(self, x_BTD: torch.Tensor, pos_BT: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
+        """x [B, T, D] -> (queries [B, T, H, Dn + Dr], normalised latent [B, T, C], shared key dims [B, T, Dr]):
+        what attention reads and the cache stores. With `pos_BT` (RoPE) the Dr dims of q and kpe are rotated."""
+        B, T, _ = x_BTD.shape
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BTHD = q.view(B, T, self.num_heads, self.dn + self.dr)
+        latent_BTC, kpe_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.dr], dim=-1)
+        ckv_BTC = self.kv_a_layernorm(latent_BTC)
+        if pos_BT is not None:
+            cos_BTR, sin_BTR = rope_ops.cos_sin(pos_BT, self.dr, self.rope_theta, rope_ops.compute_dtype(q.dtype))
+            q_nope_BTHN, q_pe_BTHR = q_BTHD.split([self.dn, self.dr], dim=-1)
+            q_BTHD = torch.cat([q_nope_BTHN, rope_ops.apply_rope(q_pe_BTHR, cos_BTR, sin_BTR)], dim=-1)
+            kpe_BTR = rope_ops.apply_rope(kpe_BTR, cos_BTR, sin_BTR)
+        return q_BTHD, ckv_BTC, kpe_BTR
+
     def forward(self, x_BTD: torch.Tensor, *, seg_BT: torch.Tensor | None = None, state: MLAState | None = None,
                 impl: str = "naive") -> tuple[torch.Tensor, MLAState | None]:
         """x: normed layer input [B, T, D] -> (output [B, T, D], extended cache or None).
@@ -50,13 +90,8 @@ class GatedMLA(nn.Module):
         """
         B, T, _ = x_BTD.shape
         H = self.num_heads
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x_BTD)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
-        q_BTHD = q.view(B, T, H, self.dn + self.dr)
-        latent_BTC, kpe_BTR = self.kv_a_proj_with_mqa(x_BTD).split([self.kv_lora_rank, self.dr], dim=-1)
-        ckv_BTC = self.kv_a_layernorm(latent_BTC)
+        q_BTHD, ckv_BTC, kpe_BTR = self.project(x_BTD, self.positions(T, seg_BT=seg_BT, state=state,
+                                                                     device=x_BTD.device))
         if state is not None:
             assert seg_BT is None, "packed documents are a training/prefill feature"
             ckv_BSC, kpe_BSR, mask = state.extend(ckv_BTC, kpe_BTR)

@@ -1,9 +1,10 @@
-"""Multi-head latent attention (NoPE), two exact forms: naive (expanded K/V) and absorbed (latent).
+"""Multi-head latent attention, two exact forms: naive (expanded K/V) and absorbed (latent).
 
 Legend: B batch, T query tokens, S key tokens (cached + new), H heads, C latent width (kv_lora_rank),
-Dn nope dims, Dr shared "rope" dims (never rotated in K3), Dv value dims.
+Dn nope dims, Dr shared "rope" dims (never rotated in K3; a RoPE config's layer rotates them before these
+functions, `openk3.model.mla`), Dv value dims.
 
-Both forms take the *normalised* latent `ckv_BSC` and the raw shared key part `kpe_BSR` — exactly
+Both forms take the *normalised* latent `ckv_BSC` and the shared key part `kpe_BSR` — exactly
 what a decode cache stores (576 values per token and layer in K3) — so a cache can feed either.
 `mla_attention_naive` expands per-head K/V with `kv_b_proj` (the HF reference, our training path);
 `mla_attention_absorbed` folds `kv_b_proj` into the query and the output (DeepSeek's absorb trick,
@@ -61,7 +62,7 @@ def mla_attention_naive(q_BTHD: torch.Tensor, ckv_BSC: torch.Tensor, kpe_BSR: to
     Args:
         q_BTHD: queries [B, T, H, Dn + Dr], nope part first.
         ckv_BSC: RMS-normalised KV latent of every key position [B, S, C].
-        kpe_BSR: shared un-rotated key dims [B, S, Dr], broadcast to all heads.
+        kpe_BSR: shared key dims [B, S, Dr] (un-rotated in K3; already rotated for RoPE), broadcast to all heads.
         w_kv_b: `kv_b_proj.weight` [H * (Dn + Dv), C]; per head Dn key rows then Dv value rows.
         v_head_dim: Dv.
         scale: softmax scale, (Dn + Dr) ** -0.5 in K3.

@@ -140,3 +140,48 @@ def audit() -> list[dict]:
         f"layer, {k3.num_shared_experts} shared experts), not from top-16."))
     return out
 
+
+
+# the release's efficiency claims and the scaling-lab experiment that measures each (issue 31)
+EFFICIENCY_CLAIMS = {
+    "k3-vs-k2": "K3 has 2.5x the scaling efficiency of Kimi K2 (KDA + AttnRes + Stable LatentMoE + recipe)",
+    "attnres": "Block Attention Residuals are worth ~1.25x compute",
+    "latent-moe": "LatentMoE gives better accuracy per FLOP than a standard MoE",
+    "kda-hybrid": "the 3:1 KDA:MLA hybrid is worth ~1.16x compute over full MLA (Kimi Linear)",
+    "muon-vs-adamw": "Muon is ~2x as compute-efficient as AdamW (Moonlight)",
+}
+
+
+def evidence(paths) -> list[dict]:
+    """Audit items for the release's efficiency claims measured by `openk3 experiment` (each path: a
+    result.json or the folder holding one): the published multiplier beside the measured one, its interval,
+    the profile and seeds, and whether the run could resolve the claim at all. ValueError naming the file for
+    anything that is not a scaling-lab result."""
+    import json
+    from pathlib import Path
+
+    out = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            path = path / "result.json"
+        if not path.is_file():
+            raise ValueError(f"--evidence: no result.json at {given}")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--evidence {path}: not JSON ({e})") from None
+        name = d.get("experiment") if isinstance(d, dict) else None
+        if name not in EFFICIENCY_CLAIMS or "fit" not in d or "effect" not in d:
+            raise ValueError(f"--evidence {path}: not a scaling-lab result (experiment {name!r}; expected one of "
+                             f"{', '.join(EFFICIENCY_CLAIMS)} with 'effect' and 'fit')")
+        e, pub = d["effect"], d.get("published")
+        measured = f"{e['estimate']:.2f}x [{e['ci95'][0]:.2f}, {e['ci95'][1]:.2f}]"
+        out.append(_claim(
+            EFFICIENCY_CLAIMS[name], "published, no interval" if pub is None else f"{pub}x", pub,
+            f"{measured} measured ({d['profile']} profile, seeds {d['seeds']}): {d['verdict']}", e["estimate"],
+            "compute multiplier",
+            f"{d['treatment']['name']} over {d['control']['name']} on openk3's CPU corpus (`openk3 experiment {name} "
+            f"--profile {d['profile']}`; {path}); {d.get('resolution', '')}. A fixed-corpus measurement at small "
+            f"scale: the architecture-and-recipe share only, not the release's data recipe."))
+    return out

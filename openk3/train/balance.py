@@ -1,5 +1,6 @@
-"""Expert load balancing: Quantile Balancing of `e_score_correction_bias` (spec §5), load metrics, and
-an auxiliary-loss alternative for comparison; `RoutingRecorder` collects routing from a model.
+"""Expert load balancing: Quantile Balancing of `e_score_correction_bias` (spec §5), DeepSeek-V3's sign
+rule (Kimi K2's, for the scaling lab's K2-style baseline), load metrics, and an auxiliary-loss alternative
+for comparison; `RoutingRecorder` collects routing from a model.
 
 Legend: N tokens, E experts, K experts per token (top-k).
 
@@ -19,6 +20,12 @@ margins (continuous in q; at integer q it is exactly the (q+1)-th largest).
 Token population: whatever the caller passes (a micro-batch, or everything a `RoutingRecorder`
 collected over the micro-batches of one optimizer step). A global-batch version over data-parallel
 ranks needs a distributed quantile (gather, or histograms as in Megatron); it is not here.
+
+Sign rule (DeepSeek-V3's auxiliary-loss-free balancing, also Kimi K2's), with update speed u
+(DeepSeek-V3: 0.001): load_j = tokens routed to expert j in the batch (the top-k of the biased scores, as
+recorded), mean = N*K/E, b_j <- b_j + u * sign(mean - load_j). Every expert moves by exactly u (or
+not at all when exactly at the mean), whatever its imbalance: slower than QB, which moves each bias by
+what would re-balance this batch.
 """
 
 from __future__ import annotations
@@ -56,6 +63,18 @@ def quantile_balance_update(scores_NE: torch.Tensor, bias_E: torch.Tensor, top_k
     return (b_E - rate * c_E).to(bias_E.dtype)
 
 
+def sign_balance_update(load_E: torch.Tensor, bias_E: torch.Tensor, rate: float = 1e-3) -> torch.Tensor:
+    """New correction bias after one sign-rule step (see the module doc) from the per-expert token counts
+    `load_E` (integers, `expert_load`); returned in `bias_E`'s dtype, nothing modified in place."""
+    if load_E.shape != bias_E.shape:
+        raise ValueError(f"load {tuple(load_E.shape)} and bias {tuple(bias_E.shape)} must both be [E]")
+    load_E = load_E.to(torch.int64)
+    # sign(mean - load) = sign(sum - E * load), in integers: an expert exactly at a fractional mean is
+    # never pushed by a rounding error
+    sign_E = torch.sign(load_E.sum() - load_E.shape[0] * load_E)
+    return bias_E.detach() + rate * sign_E.to(bias_E.dtype)
+
+
 def expert_load(idx_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert [E] (int64)."""
     return torch.bincount(idx_NK.reshape(-1), minlength=num_experts)
@@ -64,7 +83,12 @@ def expert_load(idx_NK: torch.Tensor, num_experts: int) -> torch.Tensor:
 def load_stats(idx_NK: torch.Tensor, num_experts: int) -> dict[str, float]:
     """max/mean load ("max_over_mean", 1.0 = perfect balance), min and max load (tokens), and the
     coefficient of variation "cv" (population std / mean) of the per-expert loads."""
-    load = expert_load(idx_NK, num_experts).double()
+    return stats_of_load(expert_load(idx_NK, num_experts))
+
+
+def stats_of_load(load_E: torch.Tensor) -> dict[str, float]:
+    """`load_stats` of per-expert token counts [E]."""
+    load = load_E.double()
     mean = load.mean()
     return {"max_over_mean": (load.max() / mean).item(), "min": load.min().item(), "max": load.max().item(),
             "cv": (load.std(correction=0) / mean).item()}
@@ -198,5 +222,32 @@ def apply_quantile_balancing(model: nn.Module, recorder: RoutingRecorder, rate: 
         bias = m.gate.e_score_correction_bias
         stats[n] = load_stats(idx_NK, bias.shape[0])
         bias.copy_(quantile_balance_update(scores_NE, bias, m.top_k, rate))
+    recorder.clear()
+    return stats
+
+
+@torch.no_grad()
+def apply_sign_balancing(model: nn.Module, recorder: RoutingRecorder, rate: float = 1e-3,
+                         reduce=None) -> dict[str, dict]:
+    """One sign-rule step (module doc) for every MoE layer of `model` from what `recorder` collected, then
+    `recorder.clear()`; the counterpart of `apply_quantile_balancing`, with the same return value (per-layer
+    `load_stats` of the loads before this update). `rate` 0 only measures.
+
+    `reduce` (data parallelism: `Mesh.all_reduce_sum`, summing a tensor over the ranks in place): the rule
+    reads nothing but the per-expert counts, so an all-reduce of the E counts of each layer gives every rank
+    the global batch's loads and the same update, exactly the single-process one (no gather of scores, as
+    QB needs).
+    """
+    stats = {}
+    for n, m in model.named_modules():
+        if not isinstance(m, SparseMoE) or not recorder.records.get(n):
+            continue
+        bias = m.gate.e_score_correction_bias
+        load_E = expert_load(recorder.routing(n)[1], bias.shape[0])
+        if reduce is not None:
+            load_E = reduce(load_E)
+        stats[n] = stats_of_load(load_E)
+        if rate:
+            bias.copy_(sign_balance_update(load_E, bias, rate))
     recorder.clear()
     return stats

@@ -39,6 +39,7 @@ from openk3.train.optim import OptimConfig
 
 DTYPES = ("fp32", "bf16")
 SCHEDULES = ("cosine", "wsd", "constant")
+BALANCES = ("qb", "sign")  # Quantile Balancing (K3) | DeepSeek-V3's sign rule (K2-style baseline)
 
 # Fields a resumed run may change without `allow_config_change`: they do not change what the
 # remaining steps compute. `max_steps` is here because extending a run is the common case; note that
@@ -79,7 +80,12 @@ class LoopConfig:
     min_lr_ratio: float = 0.1
     decay_frac: float = 0.2  # WSD only
     # balancing and stability
+    # "qb": Quantile Balancing at qb_rate; "sign": b_j += sign_rate * sign(mean load - load_j) after each step
+    # (openk3.train.balance), the K2-style baseline. Each rule reads only its own rate: with "sign", qb_rate is
+    # ignored (sign_rate=0 then freezes the biases), so a run switches rule by one field.
+    balance: str = "qb"
     qb_rate: float = 1.0  # Quantile Balancing rate; 0 disables QB (SFT: freezes the expert biases)
+    sign_rate: float = 1e-3  # the sign rule's bias update speed u (DeepSeek-V3's 0.001)
     qk_clip: bool = False  # MuonClip with optim.qk_clip_tau
     threads: int | None = None  # None: $OPENK3_THREADS / $OMP_NUM_THREADS, else measured (train/threads.py)
     peak_flops: float | None = None  # FLOP/s for MFU; None: the CPU table x threads (no figure on CUDA)
@@ -121,8 +127,11 @@ class LoopConfig:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.qb_rate < 0:
-            raise ValueError(f"qb_rate must be >= 0, got {self.qb_rate}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}")
+        for name in ("qb_rate", "sign_rate"):
+            if not getattr(self, name) >= 0:  # (NaN too)
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     # ---- derived ----
     @property
@@ -221,13 +230,37 @@ def _plain(v: Any) -> Any:
     return [_plain(x) for x in v] if isinstance(v, (list, tuple)) else v
 
 
+# Fields added after run folders were first written, with the value a config saved without them ran as:
+# resuming such a run compares against that value, not against "missing" (which would read as a change of
+# the run's maths and be refused). Loading one (`from_dict`) needs nothing: the dataclass default fills it.
+ADDED_DEFAULTS = {"balance": "qb", "sign_rate": 1e-3, "optim.muon": True}
+
+
+def with_added_defaults(d: dict) -> dict:
+    """A copy of config dict `d` with the `ADDED_DEFAULTS` it lacks filled in (sections it has only)."""
+    out = dict(d)
+    for key, value in ADDED_DEFAULTS.items():
+        *section, leaf = key.split(".")
+        parent = out
+        for name in section:
+            if not isinstance(parent.get(name), dict):
+                break
+            child = dict(parent[name])  # copied: `d` is left as it was
+            parent[name] = child
+            parent = child
+        else:
+            parent.setdefault(leaf, value)
+    return out
+
+
 def resume_changes(old: dict, new: dict, free_keys=None) -> tuple[list[str], list[str]]:
     """(free, refused): "key: old -> new" lines for the differences between the config a checkpoint
-    was trained with (`old`, a `to_dict()`) and `new`; refused ones change the run's maths. `free_keys`:
-    the keys that may always change (default RESUME_FREE, pretraining's; SFT passes its own)."""
+    was trained with (`old`, a `to_dict()`; fields it predates read as `ADDED_DEFAULTS`) and `new`; refused
+    ones change the run's maths. `free_keys`: the keys that may always change (default RESUME_FREE,
+    pretraining's; SFT passes its own)."""
     free_keys = RESUME_FREE if free_keys is None else free_keys
     free, refused = [], []
-    for key, a, b in config_diff(old, new):
+    for key, a, b in config_diff(with_added_defaults(old), new):
         (free if key in free_keys else refused).append(f"{key}: {a!r} -> {b!r}")
     return free, refused
 

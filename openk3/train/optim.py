@@ -24,6 +24,11 @@ Parameter table (`classify`, by name and shape; first matching row wins):
 (1) MLA `q_a_proj` and `kv_a_proj_with_mqa` (shared by all heads), KDA `f_a_proj`/`g_a_proj`, the
 dense and shared-expert MLPs, the latent down/up projections.
 
+`muon=False` (the Muon -> AdamW ablation of Moonlight and of K3's recipe; the scaling lab's baseline)
+sends every row of the table to AdamW with the same kind and the same weight decay (matrices and experts
+keep theirs), at `adamw_lr` (else `lr`); the Muon-only options (`per_head`, `momentum`, `nesterov`,
+`ns_*`) are then unused, and `muon_router=True` is refused.
+
 "Gates" is read as the router (its scores are a gate over experts) and KDA's per-head beta gate
 `b_proj`, whose per-head block would be a single row; the output-gate projections `g_proj` are
 head-major matrices like q/k/v and get Per-Head Muon.
@@ -61,7 +66,26 @@ class OptimConfig:
     per_head: bool = True  # False: plain Muon on whole attention matrices (ablation)
     muon_router: bool = False
     grad_clip: float | None = 1.0
+    # QK-Clip (`openk3.train.qk_clip`) rescales q/k weights after the step, whatever took it: K2 paired it
+    # with Muon because Muon let max logits grow, but the rule reads only the weights and the logits, so with
+    # muon=False it applies unchanged and the Muon/AdamW ablation differs in the optimizer alone.
     qk_clip_tau: float | None = 100.0  # Kimi K2's MuonClip threshold (see `openk3.train.qk_clip`)
+    muon: bool = True  # False: every parameter on AdamW (the Muon -> AdamW ablation; module doc)
+
+    def __post_init__(self) -> None:
+        if self.muon_router and not self.muon:
+            raise ValueError("optim.muon_router=True asks for Muon on the router, but optim.muon=False puts "
+                             "every parameter on AdamW; drop one of them")
+
+    @property
+    def resolved_adamw_lr(self) -> float:
+        """AdamW's peak LR: `adamw_lr`, else `lr`."""
+        return self.lr if self.adamw_lr is None else self.adamw_lr
+
+    @property
+    def peak_lr(self) -> float:
+        """The peak LR of the matrices (what a run logs as its "lr"): Muon's, or AdamW's when muon=False."""
+        return self.lr if self.muon else self.resolved_adamw_lr
 
 
 # -- classification ------------------------------------------------------------------------------------
@@ -87,6 +111,8 @@ def classify(model: nn.Module, name: str, p: torch.Tensor, cfg: OptimConfig) -> 
         return {"optimizer": "adamw", "kind": kind, "decay": decay, "heads": 1, "axis": 0}
 
     def muon(kind: str, heads: int = 1, axis: int = 0) -> dict:
+        if not cfg.muon:  # the AdamW ablation: same kind and decay, no blocks (AdamW is elementwise)
+            return adamw(kind, True)
         return {"optimizer": "muon", "kind": kind, "decay": True, "heads": heads, "axis": axis}
 
     if name.endswith("embed_tokens.weight"):
@@ -123,7 +149,7 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     weight_decay. Order is deterministic (first appearance in `named_parameters`), which is what
     makes optimizer state dicts portable between two builds of the same model.
     """
-    adamw_lr = cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr
+    adamw_lr = cfg.resolved_adamw_lr
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -375,13 +401,14 @@ def _shard_like_params(opt: torch.optim.Optimizer) -> None:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> OptimizerSet:
-    """Group the parameters (`param_groups`) and build Muon for the Muon half, torch AdamW for the rest."""
+    """Group the parameters (`param_groups`) and build Muon for the Muon half, torch AdamW for the rest
+    (either may be None: `muon=False` has no Muon groups)."""
     groups = param_groups(model, cfg)
     muon_groups = [g for g in groups if g["optimizer"] == "muon"]
     adamw_groups = [g for g in groups if g["optimizer"] == "adamw"]
     muon = Muon(muon_groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
                 ns_dtype=cfg.ns_dtype) if muon_groups else None
-    adamw = torch.optim.AdamW(adamw_groups, lr=cfg.lr if cfg.adamw_lr is None else cfg.adamw_lr,
+    adamw = torch.optim.AdamW(adamw_groups, lr=cfg.resolved_adamw_lr,
                               betas=cfg.betas, eps=cfg.eps,
                               weight_decay=cfg.weight_decay) if adamw_groups else None
     return OptimizerSet(muon, adamw, cfg)

@@ -9,7 +9,9 @@ so every logit of head h scales by exactly gamma_h and its maximum becomes tau. 
 are untouched. In K3's MLA that means rows of `q_b_proj` (or `q_proj`): per head Dn nope rows x
 sqrt(gamma), Dr pe rows x gamma; and the Dn key rows of head h in `kv_b_proj` x sqrt(gamma); value
 rows, `kv_a_proj_with_mqa` (k_pe) and `q_a_proj` are unchanged. KDA layers have no softmax logits
-(their q, k are L2-normalised) and are not clipped.
+(their q, k are L2-normalised) and are not clipped. With RoPE on the "rope" dims (`mla_use_nope: false`,
+the K2-style baseline: K2's own setting) the same holds: the rotation is linear, so scaling the q_pe rows
+scales the rotated q_pe alike.
 
 Measuring S_max: the model code does not return attention logits, so `QKClipRecorder` re-computes
 them in a forward hook of each `GatedMLA` (no grad): the q and k projections plus one QK^T pass,
@@ -34,13 +36,10 @@ def mla_max_logits(layer: GatedMLA, x_BTD: torch.Tensor, seg_BT: torch.Tensor | 
     pairs of the normed layer input `x_BTD`, exactly as `GatedMLA.forward` (naive form) scores them."""
     B, T, _ = x_BTD.shape
     H, dn, dr = layer.num_heads, layer.dn, layer.dr
-    if hasattr(layer, "q_proj"):
-        q = layer.q_proj(x_BTD)
-    else:
-        q = layer.q_b_proj(layer.q_a_layernorm(layer.q_a_proj(x_BTD)))
-    q_BTHD = upcast(q).view(B, T, H, dn + dr)
-    latent_BTC, kpe_BTR = layer.kv_a_proj_with_mqa(x_BTD).split([layer.kv_lora_rank, dr], dim=-1)
-    kv_BTHE = layer.kv_a_layernorm(latent_BTC) @ layer.kv_b_proj.weight.t()
+    # the layer's own projections (with RoPE: q and kpe rotated to the forward's positions)
+    q_BTHD, ckv_BTC, kpe_BTR = layer.project(x_BTD, layer.positions(T, seg_BT=seg_BT, device=x_BTD.device))
+    q_BTHD = upcast(q_BTHD)
+    kv_BTHE = ckv_BTC @ layer.kv_b_proj.weight.t()
     k_nope_BTHN = upcast(kv_BTHE).view(B, T, H, -1)[..., :dn]
     k_BTHD = torch.cat([k_nope_BTHN, upcast(kpe_BTR)[:, :, None, :].expand(B, T, H, dr)], dim=-1)
     scores_BHTS = torch.einsum("bthd,bshd->bhts", q_BTHD, k_BTHD) * layer.scale

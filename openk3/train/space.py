@@ -12,16 +12,18 @@ from pathlib import Path
 from openk3.train.config import TrainConfig
 
 
-def checkpoint_bytes(model_cfg) -> int:
+def checkpoint_bytes(model_cfg, *, muon: bool = True) -> int:
     """About one checkpoint on disk, from the model config alone (no model is built): fp32 weights plus
     the optimizer's fp32 state per parameter (Muon: one momentum buffer; AdamW: two moments), split as
     `openk3.train.optim` groups them (`openk3.plan.train.optimizer_split`; `optim.muon_router` moves the
-    small router onto Muon, so this is then a slight overestimate). Tokenizer files, loader, RNG and
-    metrics state are negligible beside it."""
+    small router onto Muon, so this is then a slight overestimate; `muon=False`, `optim.muon`'s ablation,
+    puts everything on AdamW). Tokenizer files, loader, RNG and metrics state are negligible beside it."""
     from openk3.plan.counts import params
     from openk3.plan.train import optimizer_split
 
     split = optimizer_split(model_cfg)
+    if not muon:
+        split = {"muon": 0, "adamw": split["muon"] + split["adamw"]}
     return 4 * params(model_cfg).total + 4 * split["muon"] + 8 * split["adamw"]
 
 

@@ -50,7 +50,7 @@ from openk3.parallel.ac import apply_activation_checkpointing
 from openk3.parallel.fsdp import full_tensor
 from openk3.parallel.mesh import Mesh, null_mesh
 from openk3.tokenizer.files import tokenizer_files
-from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, load_stats
+from openk3.train.balance import RoutingRecorder, apply_quantile_balancing, apply_sign_balancing, load_stats
 from openk3.train.config import LoopConfig, TrainConfig
 from openk3.train.loop import Cadence, EventHook, Job, run_loop
 from openk3.train.metrics import losses_by_step, mfu, peak_flops, plot_losses
@@ -124,7 +124,7 @@ class Trainer:
         ids = batch["input_ids"][rows].to(self.device)
         labels = batch["labels"][rows].to(self.device)
         seg = batch["seg"][rows].to(self.device) if batch.get("seg") is not None else None
-        lr = self.opt.cfg.lr * self.schedule.multiplier
+        lr = self.opt.cfg.peak_lr * self.schedule.multiplier
         self.recorder.clear()
         # the global count of loss tokens (all ranks, all micro-batches): each micro-batch's loss is its share
         # of the global mean, so the accumulated and (FSDP) reduced gradients are the single-process gradients
@@ -160,7 +160,10 @@ class Trainer:
             grad_norm = full_tensor(self.opt.clip_grad_norm_())
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        if cfg.qb_rate > 0:
+        if cfg.balance == "sign":  # the loads of the global batch: an all-reduce of E counts per layer
+            reduce = self.mesh.all_reduce_sum if self.mesh.distributed else None
+            stats = apply_sign_balancing(model, self.recorder, cfg.sign_rate, reduce=reduce)
+        elif cfg.qb_rate > 0:
             gather = self.mesh.all_gather_rows if self.mesh.distributed else None
             stats = apply_quantile_balancing(model, self.recorder, cfg.qb_rate, gather=gather)
         else:
@@ -438,7 +441,7 @@ def _train(cfg: TrainConfig, out: Path, mesh: Mesh, device, *, resume: bool, pro
     saves = checkpoints_to_fit(planned_saves(cfg, 0 if saved is None else int(saved["step"])),
                                len(list_checkpoints(out)), cfg.keep_checkpoints)
     if main:
-        check_free_space(out, saves, checkpoint_bytes(model_cfg), cache_dir,
+        check_free_space(out, saves, checkpoint_bytes(model_cfg, muon=cfg.optim.muon), cache_dir,
                          cache_bytes(cfg.data, model_cfg.vocab_size, cache_dir, tok))
 
     with mesh.main_first():  # rank 0 trains a missing tokenizer; the others then find it

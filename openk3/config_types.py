@@ -1,0 +1,48 @@
+"""Type checks of config values read from JSON against the annotations of the config dataclasses.
+
+`type_problem` says what a value should be ("an integer or null") when it does not fit the field's
+annotation (`K3Config`, `LinearAttnConfig`; `openk3.plan` checks raw dicts with it too). JSON booleans
+are not numbers. Stdlib only, like `openk3.config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any
+
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)  # resolving the string annotations is slow: once per class
+
+
+def type_problem(cls: type, name: str, value: Any) -> str | None:
+    """None if `value` fits the annotation of field `name` of dataclass `cls` (K3Config or
+    LinearAttnConfig), else what it should be, e.g. "an integer or null". JSON booleans are not numbers."""
+    hint = _type_hints(cls)[name]
+    kinds = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if any(_fits(k, value) for k in kinds):
+        return None
+    return " or ".join(_describe(k) for k in kinds)
+
+
+def _fits(kind, value) -> bool:
+    if kind is type(None):
+        return value is None
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(_fits(typing.get_args(kind)[0], v) for v in value)
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, (int, float) if kind is float else kind) if kind in _TYPE_NAMES else True
+
+
+def _describe(kind) -> str:
+    if kind is type(None):
+        return "null"
+    if typing.get_origin(kind) is list:
+        return "a list of " + {int: "integers", str: "strings"}.get(typing.get_args(kind)[0], "values")
+    return _TYPE_NAMES.get(kind, getattr(kind, "__name__", str(kind)))
