@@ -210,3 +210,25 @@ def test_k3_vs_k2_and_attnres_smoke(tmp_path):
         assert e["ci95"][0] <= e["estimate"] <= e["ci95"][1]
     k3_points = [p for p in (tmp_path / "points" / "points").iterdir() if p.is_dir() and p.name.startswith("k3-w")]
     assert len(k3_points) == 4  # 2 widths x 2 budgets, shared by both experiments
+
+
+def test_family_presets_on_the_command_line(tmp_path, capsys):
+    """`FAMILY@WIDTH[xLAYERS]` works wherever a preset does; `openk3 train` also takes the family's training
+    options (k2-style: sign-rule balancing), and the user's overrides still win."""
+    from openk3.__main__ import main
+
+    assert main(["info", "--preset", "k2-style@64x5", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["num_mla_layers"] == 5 and info["num_kda_layers"] == 0
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "k3-adamw@32x5", "--out", str(out), "--max-steps", "2", "--threads", "1",
+                 "data.max_bytes=200000", "batch_size=2", "seq_len=64", "eval_batches=1", "samples=0"]) == 0
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["optim"]["muon"] is False and saved["model"]["hidden_size"] == 32
+    out2 = tmp_path / "run2"
+    assert main(["train", "--preset", "k2-style@32x5", "--out", str(out2), "--max-steps", "1", "--threads", "1",
+                 "data.max_bytes=200000", "batch_size=2", "seq_len=64", "eval_batches=1", "samples=0",
+                 "balance=qb"]) == 0
+    assert json.loads((out2 / "train_config.json").read_text())["balance"] == "qb"
+    assert main(["info", "--preset", "k2-style@sixty"]) == 2
+    assert "FAMILY@WIDTH" in capsys.readouterr().err

@@ -11,7 +11,8 @@ from openk3.config import PRESETS, K3Config, preset
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--preset", default=None,
-                   help=f"named config: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form)")
+                   help=f"named config: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form), or a scaling-lab "
+                        "family at a width: FAMILY@WIDTH[xLAYERS], e.g. k2-style@64 (docs/scaling.md)")
     g.add_argument("--config", default=None, help="a config.json (kimi_k3 wrapper or bare kimi_linear)")
 
 
@@ -99,11 +100,29 @@ def add_dtype_argument(p: argparse.ArgumentParser, default: str, what: str) -> N
                         f"default {default}")
 
 
+def model_preset(name: str) -> tuple[K3Config, dict]:
+    """A named preset, or a scaling-lab family at a width, `FAMILY@WIDTH[xLAYERS]` (9 layers unless given):
+    (the model config, the family's train overrides, e.g. {"balance": "sign"} for k2-style; {} for presets)."""
+    if "@" not in name:
+        return preset(name), {}
+    from openk3.scaling.families import family
+
+    fam, _, size = name.partition("@")
+    width, _, layers = size.partition("x")
+    try:
+        w, n = int(width), int(layers or 9)
+    except ValueError:
+        raise ValueError(f"--preset {name!r}: expected FAMILY@WIDTH or FAMILY@WIDTHxLAYERS, e.g. k2-style@64") \
+            from None
+    f = family(fam)
+    return f.config(w, n), dict(f.train_overrides)
+
+
 def config_from_args(args: argparse.Namespace, default: str = "nano") -> tuple[K3Config, str]:
     if args.config:
         return K3Config.from_json(args.config), args.config
     name = args.preset or default
-    return preset(name), name
+    return model_preset(name)[0], name
 
 
 def read_text_input(path: str | None, stdin_name: str = "stdin") -> str:

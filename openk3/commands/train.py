@@ -31,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start from this train config JSON (e.g. a run's train_config.json); flags and "
                         "key=value overrides apply on top")
     p.add_argument("--preset", default=None,
-                   help=f"model preset: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form); default nano, "
-                        "or the --config file's / the resumed run's model")
+                   help=f"model preset: {', '.join(PRESETS)} (append -kl for the Kimi-Linear form), or a "
+                        "scaling-lab family at a width, FAMILY@WIDTH[xLAYERS] (e.g. k2-style@64: its training options "
+                        "too, e.g. balance=sign); default nano, or the --config file's / the resumed run's model")
     p.add_argument("--out", required=True, help="run folder (created; resumed from if it holds checkpoints)")
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (default: the config's 1000)")
     p.add_argument("--data", default=None,
@@ -71,18 +72,24 @@ def build_config(args: argparse.Namespace):
     resumes RUN as it was, and a resume compares only what the user changed."""
     import dataclasses
 
-    from openk3.config import preset
+    from openk3.commands.common import model_preset
     from openk3.train.config import TrainConfig, apply_overrides
 
     base = args.config if args.config is not None else run_config(args)
     if base is not None:
         cfg = TrainConfig.from_json(base)
     else:
-        cfg = TrainConfig(model=preset(args.preset or "nano"), preset=args.preset or "nano")
+        cfg = TrainConfig(model=model_preset(args.preset or "nano")[0], preset=args.preset or "nano")
     changes = {}
+    family_overrides: list[str] = []
     if args.preset is not None:
-        changes["model"], changes["preset"] = preset(args.preset), args.preset
+        changes["model"], family = model_preset(args.preset)
+        changes["preset"] = args.preset
+        # the family's own training options (k2-style: balance=sign), before the user's overrides, which win
+        family_overrides = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in family.items()]
     name = (args.preset or ("nano" if base is None else "")).removesuffix("-kl")
+    if "@" in name:  # scaling-lab families are nano-sized or a little larger
+        name = "nano"
     if base is None and name in SMALL_MODEL_LR:
         # Muon's default lr (2e-4) is a large-model value; these widths learn ~2x faster per step at 3e-3
         # (nano, 40 steps: 4.1 vs 8.4 bits/byte). `optim.lr=...` still overrides; a --config file's or
@@ -110,7 +117,7 @@ def build_config(args: argparse.Namespace):
         # resumes on any world size and `torchrun -m openk3 train` needs no override; degrees that fit this
         # world (an HSDP layout in a --config file) are kept
         changes["parallel"] = ParallelConfig(dp_shard=world)
-    cfg = apply_overrides(dataclasses.replace(cfg, **changes), args.overrides)
+    cfg = apply_overrides(dataclasses.replace(cfg, **changes), family_overrides + list(args.overrides))
     par = cfg.parallel
     others = par.dp_replicate * par.pp * par.cp
     if par.world_size != world and world % others == 0 and \
