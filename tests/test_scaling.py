@@ -35,8 +35,8 @@ def test_cost_matched_families_are_within_5_percent_of_k3(name, width):
     ratio = config_flops(cfg, 256) / config_flops(k3_config(width, 9), 256)
     if fam.match is not None or name in ("k3", "k3-no-attnres", "k3-swiglu", "k3-adamw"):
         assert abs(ratio - 1) < 0.05, (name, width, ratio)
-    else:  # the attention kind itself (all-MLA costs more at short widths); fits use the actual compute
-        assert name == "k3-all-mla" and 1.0 < ratio < 1.2
+    else:  # the attention kind itself (MLA costs more at short widths); fits use the actual compute
+        assert name in ("k3-all-mla", "k3-1to1") and 1.0 < ratio < 1.2
 
 
 def test_families_are_what_they_say():
@@ -49,6 +49,7 @@ def test_families_are_what_they_say():
     dense = family("dense").config(64, 9)
     assert not any(dense.is_moe_layer(i) for i in range(9))
     assert family("k3-all-mla").config(64, 9).linear_attn_config.kda_layers == []
+    assert family("k3-1to1").config(64, 9).mla_layers == [1, 3, 5, 7, 8]
     assert family("k3-adamw").train_overrides == {"optim.muon": False}
     lm = family("k3-no-latent-moe").config(64, 9)
     assert not lm.use_latent_moe and lm.attn_res_block_size == k3.attn_res_block_size
@@ -232,3 +233,24 @@ def test_family_presets_on_the_command_line(tmp_path, capsys):
     assert json.loads((out2 / "train_config.json").read_text())["balance"] == "qb"
     assert main(["info", "--preset", "k2-style@sixty"]) == 2
     assert "FAMILY@WIDTH" in capsys.readouterr().err
+
+
+def test_plan_audit_cites_measured_multipliers(tmp_path, capsys):
+    """`openk3 plan --audit --evidence DIR`: the published figure beside the measured one with its interval;
+    anything that is not a scaling-lab result.json is refused naming the file."""
+    from openk3.__main__ import main
+
+    d = {"experiment": "attnres", "profile": "full", "seeds": [0, 1, 2], "verdict": "not supported",
+         "treatment": {"name": "k3"}, "control": {"name": "k3-no-attnres"}, "published": 1.25,
+         "effect": {"estimate": 1.1, "ci95": [0.9, 1.4]}, "fit": {}, "resolution": "cannot resolve the claim"}
+    (tmp_path / "attnres").mkdir()
+    (tmp_path / "attnres" / "result.json").write_text(json.dumps(d))
+    assert main(["plan", "--audit", "--evidence", str(tmp_path / "attnres"), "--json"]) == 0
+    items = json.loads(capsys.readouterr().out)
+    mine = [i for i in items if "Attention Residuals" in i["claim"]]
+    assert len(mine) == 1 and mine[0]["claimed_value"] == 1.25 and mine[0]["corrected_value"] == 1.1
+    assert "1.10x [0.90, 1.40]" in mine[0]["corrected"] and "cannot resolve" in mine[0]["reason"]
+    (tmp_path / "other.json").write_text(json.dumps({"experiment": "rl-heldout", "effect": {}}))
+    assert main(["plan", "--audit", "--evidence", str(tmp_path / "other.json")]) == 2
+    assert "other.json" in capsys.readouterr().err
+    assert main(["plan", "--evidence", str(tmp_path / "attnres")]) == 2

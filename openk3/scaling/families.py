@@ -17,15 +17,15 @@ with d; expert counts and top-k are K3's small-scale ones (`nano`: 32 experts, t
   width d, SwiGLU, QB, Muon (`openk3.config.as_kimi_linear` plus k2-style's expert counts).
 - `dense`: k2-style attention, residual and balancing rule, a dense SwiGLU FFN in every layer.
 - one-feature ablations of `k3`: `k3-no-attnres` (PreNorm residual), `k3-no-latent-moe` (plain MoE at width d,
-  half the experts and top-k), `k3-swiglu`, `k3-all-mla` (gated NoPE MLA in every layer), `k3-adamw` (AdamW for
-  every parameter: `optim.muon=false`).
+  half the experts and top-k), `k3-swiglu`, `k3-all-mla` (gated NoPE MLA in every layer), `k3-1to1` (KDA:MLA
+  1:1 instead of 3:1), `k3-adamw` (AdamW for every parameter: `optim.muon=false`).
 
 Cost matching (issue 31: "equal FLOPs/token accounting within 10 %"): families whose FFN is a different kind
 (`k2-style`, `dense`, `kimi-linear-style`, `k3-no-latent-moe`) have their expert (or dense) hidden size
 chosen so that their training FLOPs/token at the ladder's sequence length is as close as possible to
 `k3`'s at the same width and depth (`matched_config`); the single-feature ablations whose change costs
 almost nothing (AttnRes, the activation, the optimizer) are not adjusted; `k3-all-mla` is not adjusted either
-(the attention kind is the feature; the fits use each run's actual compute, so a small mismatch does not
+nor `k3-1to1` (the attention kind is the feature; the fits use each run's actual compute, so a small mismatch does not
 bias the multiplier). FLOPs are `openk3.model.accounting.flops_per_token(training=True)`: 2 per active
 matmul weight (LM head included, embedding lookup excluded), MLA's q.k and p.v over the causal average
 context, KDA's recurrent 6 K V per head, x3 for forward + backward; the same counter for every family.
@@ -109,6 +109,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            lambda c: c.replace(**_plain_moe(c)), match="moe_intermediate_size"),
     Family("k3-swiglu", "K3 with SwiGLU instead of SiTU-GLU", lambda c: c.replace(hidden_act="silu")),
     Family("k3-all-mla", "K3 with gated NoPE MLA in every layer (no KDA)", lambda c: c.replace(**_all_mla(c))),
+    Family("k3-1to1", "K3 with a 1:1 KDA:MLA ratio (MLA in every second layer and the last) instead of 3:1",
+           lambda c: c.replace(**{"linear_attn_config.full_attn_layers":
+                                  sorted(set(range(2, c.num_hidden_layers + 1, 2)) | {c.num_hidden_layers}),
+                                  "linear_attn_config.kda_layers": None})),
     Family("k3-adamw", "K3 trained with AdamW for every parameter instead of Per-Head Muon", lambda c: c,
            train_overrides={"optim.muon": False}),
 )}
