@@ -64,14 +64,16 @@ SPECS = {s.name: s for s in (
 # smoke: plumbing in about a minute an arm on one core (two widths, two WSD budgets each; no claim can be
 # resolved at this size). full: the CPU ladder (docs/scaling.md has its timing). gpu: one-GPU-hour sizes.
 SMOKE = dict(layers=5, widths=(32, 64), steps=((30, 60), (30, 60)), seeds=1, lr=3e-3, lr_grid=(), lr_guard=False,
-             batch_size=8, seq_len=256, eval_batches=8, max_bytes=3_000_000, val_fraction=0.02, warmup_steps=5, device="cpu",
+             batch_size=8, seq_len=256, eval_batches=8, max_bytes=3_000_000, val_fraction=0.02, warmup_steps=5,
+             device="cpu",
              store=None, replicates=1000)
 FULL = dict(layers=9, widths=(32, 64, 96, 128), steps=((150, 300), (150, 300), (200, 400), (200, 400)), seeds=3,
             lr=3e-3, lr_grid=(0.5, 1.0, 2.0), lr_guard=True, batch_size=8, seq_len=256, eval_batches=32,
             max_bytes=20_000_000, val_fraction=0.01, warmup_steps=10, device="cpu", store=None, replicates=2000)
 GPU = dict(layers=13, widths=(256, 384, 512, 768), steps=((2000, 4000), (2500, 5000), (3000, 6000), (3500, 7000)),
            seeds=3, lr=2e-3, lr_grid=(0.25, 0.5, 1.0, 2.0, 4.0), lr_guard=True, batch_size=32, seq_len=1024,
-           eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", store=None, replicates=2000)
+           eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", store=None,
+           replicates=2000)
 PROFILES = {"smoke": SMOKE, "full": FULL, "gpu": GPU}
 MAX_EXTENSIONS = 2  # LR grid extensions past an edge optimum
 
@@ -80,7 +82,8 @@ def settings_of(s: dict):
     from openk3.scaling.ladder import LadderSettings
 
     return LadderSettings(layers=s["layers"], batch_size=s["batch_size"], seq_len=s["seq_len"],
-                          eval_batches=s["eval_batches"], max_bytes=s["max_bytes"], val_fraction=s["val_fraction"], warmup_steps=s["warmup_steps"],
+                          eval_batches=s["eval_batches"], max_bytes=s["max_bytes"], val_fraction=s["val_fraction"],
+                          warmup_steps=s["warmup_steps"],
                           device=s["device"])
 
 
@@ -174,7 +177,8 @@ def run_spec(spec: Spec, profile: str, s: dict, seed: int, say, out: Path) -> Re
     say(f"{spec.name}: m = {m['estimate']:.3f} [{m['ci95'][0]:.3f}, {m['ci95'][1]:.3f}] "
         f"({spec.treatment} over {spec.baseline}); {resolution}")
     return Result(
-        experiment=spec.name, claim=spec.claim, metric=METRIC, profile=profile, seeds=sorted({p["seed"] for p in points}),
+        experiment=spec.name, claim=spec.claim, metric=METRIC, profile=profile,
+        seeds=sorted({p["seed"] for p in points}),
         treatment={"name": spec.treatment, **lt, "what": "fitted held-out bits/byte at the largest common compute"},
         control={"name": spec.baseline, **lb, "what": "fitted held-out bits/byte at the largest common compute"},
         effect={"estimate": m["estimate"], "ci95": m["ci95"], "form": m["form"], "mdm": m["mdm"]},
