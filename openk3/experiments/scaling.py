@@ -72,8 +72,8 @@ FULL = dict(layers=9, widths=(32, 64, 96, 128), steps=((150, 300), (150, 300), (
             max_bytes=20_000_000, val_fraction=0.01, warmup_steps=10, device="cpu", store=None, replicates=2000)
 GPU = dict(layers=13, widths=(256, 384, 512, 768), steps=((2000, 4000), (2500, 5000), (3000, 6000), (3500, 7000)),
            seeds=3, lr=2e-3, lr_grid=(0.25, 0.5, 1.0, 2.0, 4.0), lr_guard=True, batch_size=32, seq_len=1024,
-           eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", store=None,
-           replicates=2000)
+           eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", dtype="bf16",
+           store=None, replicates=2000)
 PROFILES = {"smoke": SMOKE, "full": FULL, "gpu": GPU}
 MAX_EXTENSIONS = 2  # LR grid extensions past an edge optimum
 
@@ -83,8 +83,7 @@ def settings_of(s: dict):
 
     return LadderSettings(layers=s["layers"], batch_size=s["batch_size"], seq_len=s["seq_len"],
                           eval_batches=s["eval_batches"], max_bytes=s["max_bytes"], val_fraction=s["val_fraction"],
-                          warmup_steps=s["warmup_steps"],
-                          device=s["device"])
+                          warmup_steps=s["warmup_steps"], device=s["device"], dtype=s.get("dtype", "fp32"))
 
 
 def choose_lrs(store, arm: str, s: dict, seed: int, say) -> tuple[dict[int, float], dict]:

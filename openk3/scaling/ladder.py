@@ -53,9 +53,13 @@ class LadderSettings:
     decay_frac: float = 0.2
     min_lr_ratio: float = 0.1
     device: str = "cpu"
+    dtype: str = "fp32"  # "bf16" on a GPU (autocast; TrainConfig.dtype)
 
     def key(self) -> str:
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:8]
+        d = dataclasses.asdict(self)
+        if d["dtype"] == "fp32":  # (added later: the stores made before keep their keys)
+            del d["dtype"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def point_key(arm: str, width: int, steps: int, lr: float, seed: int, settings: LadderSettings) -> str:
@@ -91,7 +95,7 @@ class PointStore:
             model=fam.config(width, s.layers, s.vocab, s.seq_len), preset=None, max_steps=steps,
             batch_size=s.batch_size, seq_len=s.seq_len, seed=seed, schedule="wsd", warmup=float(s.warmup_steps),
             decay_frac=s.decay_frac, min_lr_ratio=s.min_lr_ratio, optim=OptimConfig(lr=lr),
-            eval_every=0, eval_batches=s.eval_batches, device=s.device, save_every=stable_steps(steps, s.decay_frac),
+            eval_every=0, eval_batches=s.eval_batches, device=s.device, dtype=s.dtype, save_every=stable_steps(steps, s.decay_frac),
             keep_checkpoints=None, log_every=max(1, steps // 4), samples=0, threads=None,
             tokenizer=str(self.root / "tokenizer"),
             cache_dir=str(self.root / "cache"),
