@@ -211,6 +211,10 @@ def test_k3_vs_k2_and_attnres_smoke(tmp_path):
         assert e["ci95"][0] <= e["estimate"] <= e["ci95"][1]
     k3_points = [p for p in (tmp_path / "points" / "points").iterdir() if p.is_dir() and p.name.startswith("k3-w")]
     assert len(k3_points) == 4  # 2 widths x 2 budgets, shared by both experiments
+    from openk3.experiments.scaling import summary_plots
+
+    paths = summary_plots(list(results.values()), tmp_path / "figures")
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["scaling_ladder.png"]  # (smoke has no LR sweep)
 
 
 def test_family_presets_on_the_command_line(tmp_path, capsys):
@@ -254,3 +258,14 @@ def test_plan_audit_cites_measured_multipliers(tmp_path, capsys):
     assert main(["plan", "--audit", "--evidence", str(tmp_path / "other.json")]) == 2
     assert "other.json" in capsys.readouterr().err
     assert main(["plan", "--evidence", str(tmp_path / "attnres")]) == 2
+
+
+def test_summary_plots_draw_the_ladder_and_the_lr_sweeps(tmp_path):
+    from openk3.experiments.scaling import summary_plots
+
+    pts = _points(2.0)
+    sweep = {"t": {"points": [{"width": 32, "lr": lr, "loss": 3 + abs(math.log(lr / 3e-3)), "steps": 1, "seed": 0}
+                              for lr in (1.5e-3, 3e-3, 6e-3)]}}
+    paths = summary_plots([{"points": pts, "lr_sweep": sweep}], tmp_path)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["scaling_ladder.png", "scaling_lr.png"]
+    assert all((tmp_path / name).stat().st_size > 10_000 for name in ("scaling_ladder.png", "scaling_lr.png"))

@@ -265,3 +265,64 @@ class ScalingExperiment:
 
 k3_vs_k2, attnres, latent_moe, kda_hybrid, muon_vs_adamw = (
     ScalingExperiment(SPECS[n]) for n in ("k3-vs-k2", "attnres", "latent-moe", "kda-hybrid", "muon-vs-adamw"))
+
+
+def summary_plots(results: list[dict], out_dir) -> list[str]:
+    """docs/scaling.md's figures from several experiments' result.json dicts: `scaling_ladder.png` (every arm's
+    held-out bits/byte against compute, log-log, with its free fit) and `scaling_lr.png` (each arm's learning-
+    rate sweep: loss against LR at the sweep's widths). Returns the paths written.
+
+        python -c "import json, sys; from openk3.experiments.scaling import summary_plots; \\
+            summary_plots([json.load(open(p)) for p in sys.argv[2:]], sys.argv[1])" docs runs/scaling/*/result.json
+    """
+    import numpy as np
+
+    from openk3.chart import new_figure, save_png
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    arms: dict[str, list[dict]] = {}
+    sweeps: dict[str, list[dict]] = {}
+    for d in results:
+        for p in d["points"]:
+            arms.setdefault(p["arm"], [])
+            if p not in arms[p["arm"]]:
+                arms[p["arm"]].append(p)
+        for arm, sw in d.get("lr_sweep", {}).items():
+            sweeps.setdefault(arm, sw.get("points", []))
+    fig = new_figure(7.5, 5.0, 110)
+    ax = fig.subplots()
+    for i, (arm, pts) in enumerate(sorted(arms.items())):
+        xs = np.array([p["compute"] for p in pts])
+        ys = np.array([p["loss"] for p in pts])
+        ax.scatter(xs, ys, s=14, color=f"C{i}")
+        slope, intercept = np.polyfit(np.log(xs), np.log(ys), 1)
+        cs = np.geomspace(xs.min(), xs.max(), 30)
+        ax.plot(cs, np.exp(intercept + slope * np.log(cs)), color=f"C{i}", linewidth=1.2,
+                label=f"{arm}: b = {-slope:.3f}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training compute (FLOPs)")
+    ax.set_ylabel("held-out bits per byte")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("the ladder: every arm, every point (free power-law fits)", fontsize=10)
+    paths = [str(out / "scaling_ladder.png")]
+    save_png(fig, paths[0])
+    if any(sweeps.values()):
+        fig = new_figure(7.5, 4.5, 110)
+        ax = fig.subplots()
+        for i, (arm, pts) in enumerate(sorted(sweeps.items())):
+            for j, w in enumerate(sorted({p["width"] for p in pts})):
+                mine = sorted((p["lr"], p["loss"]) for p in pts if p["width"] == w)
+                ax.plot([a for a, _ in mine], [b for _, b in mine], marker="os"[j % 2], color=f"C{i}",
+                        linestyle="-" if j == 0 else "--", label=f"{arm} width {w}")
+        ax.set_xscale("log")
+        ax.set_xlabel("peak learning rate")
+        ax.set_ylabel("held-out bits per byte (the sweep's budget)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        ax.set_title("learning-rate sweeps (grid at the smallest width, guard at the second)", fontsize=10)
+        paths.append(str(out / "scaling_lr.png"))
+        save_png(fig, paths[1])
+    return paths
