@@ -86,6 +86,8 @@ class PointStore:
 
     # ---- the run ----------------------------------------------------------------------------------
     def train_config(self, arm: str, width: int, steps: int, lr: float, seed: int):
+        import torch
+
         from openk3.train.config import TrainConfig, apply_overrides
         from openk3.train.optim import OptimConfig
 
@@ -97,7 +99,9 @@ class PointStore:
             decay_frac=s.decay_frac, min_lr_ratio=s.min_lr_ratio, optim=OptimConfig(lr=lr),
             eval_every=0, eval_batches=s.eval_batches, device=s.device, dtype=s.dtype,
             save_every=stable_steps(steps, s.decay_frac),
-            keep_checkpoints=None, log_every=max(1, steps // 4), samples=0, threads=None,
+            # the process's threads (`openk3 experiment --threads`), not train's own measuring tuner, which could
+            # switch mid-point
+            keep_checkpoints=None, log_every=max(1, steps // 4), samples=0, threads=torch.get_num_threads(),
             tokenizer=str(self.root / "tokenizer"),
             cache_dir=str(self.root / "cache"),
             data=dataclasses.replace(TrainConfig().data, max_bytes=s.max_bytes, val_fraction=s.val_fraction))
