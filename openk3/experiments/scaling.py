@@ -70,7 +70,10 @@ SMOKE = dict(layers=5, widths=(32, 64), steps=((30, 60), (30, 60)), seeds=1, lr=
 FULL = dict(layers=9, widths=(32, 64, 96, 128), steps=((150, 300), (150, 300), (200, 400), (200, 400)), seeds=3,
             lr=3e-3, lr_grid=(0.5, 1.0, 2.0), lr_guard=True, batch_size=8, seq_len=256, eval_batches=32,
             max_bytes=20_000_000, val_fraction=0.01, warmup_steps=10, device="cpu", store=None, replicates=2000)
-GPU = dict(layers=13, widths=(256, 384, 512, 768), steps=((2000, 4000), (2500, 5000), (3000, 6000), (3500, 7000)),
+# gpu: ~6e16 training FLOPs an arm at one seed (~8e16 with its sweep and seeds): at 100 TFLOP/s effective (~10 % of
+# an H200's bf16 peak; tiny experts run far below it) ~15 minutes an arm, the six arms of the five experiments
+# ~1.5 GPU-hours; 52M tokens at the top (~2 passes over the built-in corpus)
+GPU = dict(layers=13, widths=(256, 384, 512, 768), steps=((500, 1000), (600, 1200), (700, 1400), (800, 1600)),
            seeds=3, lr=2e-3, lr_grid=(0.25, 0.5, 1.0, 2.0, 4.0), lr_guard=True, batch_size=32, seq_len=1024,
            eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", dtype="bf16",
            store=None, replicates=2000)
