@@ -78,7 +78,7 @@ GPU = dict(layers=13, widths=(256, 384, 512, 768), steps=((500, 1000), (600, 120
            eval_batches=64, max_bytes=None, val_fraction=0.01, warmup_steps=50, device="cuda", dtype="bf16",
            store=None, replicates=2000)
 PROFILES = {"smoke": SMOKE, "full": FULL, "gpu": GPU}
-MAX_EXTENSIONS = 2  # LR grid extensions past an edge optimum
+MAX_EXTENSIONS = 4  # LR grid extensions past an edge optimum (x2 each: up to 16x beyond the grid)
 
 
 def settings_of(s: dict):
