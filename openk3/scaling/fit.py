@@ -19,8 +19,8 @@ cell with several seeds draws its seeds with replacement; a single-seed cell kee
 draw from the noise model: the pooled seed-to-seed spread of the multi-seed cells in log loss, or the free fits'
 residual spread where that is larger (a power law in compute does not fit the two budgets of every width
 exactly; the misfit is counted as noise, so the interval is never narrower than the fit). Both forms are
-refitted per replicate. `mdm` (minimal detectable multiplier): the smallest m whose interval would exclude 1 at this noise,
-exp(1.96 * se(log m)).
+refitted per replicate. `mdm` (minimal detectable multiplier): the smallest m whose interval would exclude 1
+at this noise, exp(1.96 * se(log m)).
 """
 
 from __future__ import annotations
