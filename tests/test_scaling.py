@@ -269,3 +269,24 @@ def test_summary_plots_draw_the_ladder_and_the_lr_sweeps(tmp_path):
     paths = summary_plots([{"points": pts, "lr_sweep": sweep}], tmp_path)
     assert [p.rsplit("/", 1)[1] for p in paths] == ["scaling_ladder.png", "scaling_lr.png"]
     assert all((tmp_path / name).stat().st_size > 10_000 for name in ("scaling_ladder.png", "scaling_lr.png"))
+
+
+def test_a_point_of_a_family_changed_since_is_trained_again(tmp_path, monkeypatch):
+    """Point keys name the arm, not its config: when a family's definition changes in the code, its old points
+    are moved aside instead of being reused (the first all-MLA arm was NoPE; reusing it would have been wrong)."""
+    import dataclasses
+
+    from openk3.scaling import families
+
+    store = PointStore(tmp_path / "s", TINY, say=lambda m: None)
+    first = store.point("k3-swiglu", 32, 4, 3e-3, 0)
+    assert store.done("k3-swiglu", 32, 4, 3e-3, 0) == first
+    changed = dataclasses.replace(families.FAMILIES["k3-swiglu"], recipe=lambda c: c.replace(hidden_act="silu",
+                                                                                                 num_shared_experts=1))
+    monkeypatch.setitem(families.FAMILIES, "k3-swiglu", changed)
+    families.matched_config.cache_clear()
+    assert store.done("k3-swiglu", 32, 4, 3e-3, 0) is None
+    assert [p.name.endswith(".stale-0") for p in (tmp_path / "s" / "points").iterdir() if p.is_dir()] == [True]
+    again = store.point("k3-swiglu", 32, 4, 3e-3, 0)
+    assert again["params"] < first["params"]
+    families.matched_config.cache_clear()

@@ -237,10 +237,14 @@ def plot_scaling(result: Result, fit: dict, points: list[dict], spec: Spec, path
     ax.set_title(f"{spec.name} ({result.profile}): loss vs compute", fontsize=10)
     rows = [("shared b", fit["multiplier"])] + [(f"L*={r['loss']:.2f}", r) for r in fit["free"]["m_of_L"]] + \
         [("C max", fit["free"]["m_at_c_max"])]
+    # (a free fit with an exponent near 0 gives an infinite or zero m: such rows are left out of the plot)
+    rows = [(n, r) for n, r in rows if math.isfinite(r["estimate"]) and r["estimate"] > 0]
     xs = list(range(len(rows)))
     est = [r["estimate"] for _, r in rows]
     lo = [max(0.0, r["estimate"] - r["ci95"][0]) if math.isfinite(r["ci95"][0]) else 0.0 for _, r in rows]
     hi = [max(0.0, r["ci95"][1] - r["estimate"]) if math.isfinite(r["ci95"][1]) else 0.0 for _, r in rows]
+    top = max([r["estimate"] for _, r in rows] + [spec.published or 1.0]) * 4  # an infinite upper end: drawn to here
+    hi = [min(h, top) for h in hi]
     bx.errorbar(xs, est, yerr=[lo, hi], fmt="o", capsize=4, color="C2")
     bx.axhline(1.0, color="black", linewidth=1)
     if spec.published is not None:

@@ -17,7 +17,7 @@ with d; expert counts and top-k are K3's small-scale ones (`nano`: 32 experts, t
   width d, SwiGLU, QB, Muon (`openk3.config.as_kimi_linear` plus k2-style's expert counts).
 - `dense`: k2-style attention, residual and balancing rule, a dense SwiGLU FFN in every layer.
 - one-feature ablations of `k3`: `k3-no-attnres` (PreNorm residual), `k3-no-latent-moe` (plain MoE at width d,
-  half the experts and top-k), `k3-swiglu`, `k3-all-mla` (gated NoPE MLA in every layer), `k3-1to1` (KDA:MLA
+  half the experts and top-k), `k3-swiglu`, `k3-all-mla` (gated MLA with RoPE in every layer), `k3-1to1` (KDA:MLA
   1:1 instead of 3:1), `k3-adamw` (AdamW for every parameter: `optim.muon=false`).
 
 Cost matching (issue 31: "equal FLOPs/token accounting within 10 %"): families whose FFN is a different kind
@@ -108,7 +108,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("k3-no-latent-moe", "K3 with a plain MoE at width d (half the experts and top-k) instead of LatentMoE",
            lambda c: c.replace(**_plain_moe(c)), match="moe_intermediate_size"),
     Family("k3-swiglu", "K3 with SwiGLU instead of SiTU-GLU", lambda c: c.replace(hidden_act="silu")),
-    Family("k3-all-mla", "K3 with gated NoPE MLA in every layer (no KDA)", lambda c: c.replace(**_all_mla(c))),
+    # RoPE: with no KDA layer left, NoPE attention has no position signal but the causal mask (the first run of
+    # this arm, NoPE, stayed at 3.6-3.8 bits/byte at every size: docs/scaling.md); Kimi Linear's full-attention
+    # baseline is a standard (rotary) MLA model
+    Family("k3-all-mla", "K3 with gated MLA with RoPE in every layer (no KDA)",
+           lambda c: c.replace(mla_use_nope=False, **_all_mla(c))),
     Family("k3-1to1", "K3 with a 1:1 KDA:MLA ratio (MLA in every second layer and the last) instead of 3:1",
            lambda c: c.replace(**{"linear_attn_config.full_attn_layers":
                                   sorted(set(range(2, c.num_hidden_layers + 1, 2)) | {c.num_hidden_layers}),

@@ -81,8 +81,34 @@ class PointStore:
         return self.root / "points" / point_key(arm, width, steps, lr, seed, self.settings)
 
     def done(self, arm: str, width: int, steps: int, lr: float, seed: int) -> dict | None:
-        path = self.folder(arm, width, steps, lr, seed) / "point.json"
-        return read_json(path) if path.is_file() else None
+        """The finished point's record, or None. A point whose run trained another model than the family's
+        current definition (a family changed in the code since; its key names only arm, sizes, LR, seed and the
+        shared settings) is moved aside to `<folder>.stale-<n>` and counts as not done."""
+        folder = self.folder(arm, width, steps, lr, seed)
+        if not (folder / "point.json").is_file():
+            return None
+        if self._stale(folder, arm, width):
+            n = 0
+            while folder.with_name(f"{folder.name}.stale-{n}").exists():
+                n += 1
+            aside = folder.with_name(f"{folder.name}.stale-{n}")
+            self.say(f"point {folder.name}: trained with another {arm!r} config than the family's current one; "
+                     f"moved to {aside.name}, training it again")
+            folder.rename(aside)
+            return None
+        return read_json(folder / "point.json")
+
+    def _stale(self, folder: Path, arm: str, width: int) -> bool:
+        """Does the run's saved model config differ from the family's current one in anything but the ids the
+        tokenizer sets?"""
+        path = folder / "train_config.json"
+        if not path.is_file():
+            return False
+        saved = read_json(path).get("model", {})
+        now = family(arm).config(width, self.settings.layers, self.settings.vocab, self.settings.seq_len).to_dict()
+        ignore = {"vocab_size", "eos_token_id", "bos_token_id", "pad_token_id"}
+        keys = (set(saved) | set(now)) - ignore
+        return any(saved.get(k) != now.get(k) for k in keys)
 
     # ---- the run ----------------------------------------------------------------------------------
     def train_config(self, arm: str, width: int, steps: int, lr: float, seed: int):
