@@ -289,4 +289,8 @@ def test_a_point_of_a_family_changed_since_is_trained_again(tmp_path, monkeypatc
     assert [p.name.endswith(".stale-0") for p in (tmp_path / "s" / "points").iterdir() if p.is_dir()] == [True]
     again = store.point("k3-swiglu", 32, 4, 3e-3, 0)
     assert again["params"] < first["params"]
+    # the family's training options count as its definition too
+    options = dataclasses.replace(changed, train_overrides={"balance": "sign"})
+    monkeypatch.setitem(families.FAMILIES, "k3-swiglu", options)
+    assert store.done("k3-swiglu", 32, 4, 3e-3, 0) is None
     families.matched_config.cache_clear()

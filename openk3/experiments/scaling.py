@@ -205,6 +205,17 @@ def _resolution(spec: Spec, m: dict) -> str:
             f"multiplier {mdm:.2f}x at this noise (more seeds, sizes or tokens needed)")
 
 
+def _loss_axes(ax, title: str) -> None:
+    """Log-log held-out bits/byte against training compute: the axes of both loss-vs-compute figures."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("training compute (FLOPs)")
+    ax.set_ylabel("held-out bits per byte")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+
+
 def plot_scaling(result: Result, fit: dict, points: list[dict], spec: Spec, path) -> None:
     """Left: held-out bits/byte against training FLOPs (log-log), both arms, points by seed, the free fits
     (solid) and the shared-exponent fits (dashed). Right: the multiplier with 95 % intervals: the shared form
@@ -228,13 +239,7 @@ def plot_scaling(result: Result, fit: dict, points: list[dict], spec: Spec, path
                 label=f"{arm}: L = a C^-{fr[f'b_{key}']:.3f}")
         sh = fit["shared"]
         ax.plot(cs, np.exp(sh[f"log_a_{key}"] - sh["b"] * np.log(cs)), color=color, linewidth=1, linestyle="--")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training compute (FLOPs)")
-    ax.set_ylabel("held-out bits per byte")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title(f"{spec.name} ({result.profile}): loss vs compute", fontsize=10)
+    _loss_axes(ax, f"{spec.name} ({result.profile}): loss vs compute")
     rows = [("shared b", fit["multiplier"])] + [(f"L*={r['loss']:.2f}", r) for r in fit["free"]["m_of_L"]] + \
         [("C max", fit["free"]["m_at_c_max"])]
     # (a free fit with an exponent near 0 gives an infinite or zero m: such rows are left out of the plot)
@@ -285,6 +290,7 @@ def summary_plots(results: list[dict], out_dir) -> list[str]:
     import numpy as np
 
     from openk3.chart import new_figure, save_png
+    from openk3.scaling.fit import power_law
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,17 +309,10 @@ def summary_plots(results: list[dict], out_dir) -> list[str]:
         xs = np.array([p["compute"] for p in pts])
         ys = np.array([p["loss"] for p in pts])
         ax.scatter(xs, ys, s=14, color=f"C{i}")
-        slope, intercept = np.polyfit(np.log(xs), np.log(ys), 1)
+        alpha, b = power_law(np.log(xs), np.log(ys))
         cs = np.geomspace(xs.min(), xs.max(), 30)
-        ax.plot(cs, np.exp(intercept + slope * np.log(cs)), color=f"C{i}", linewidth=1.2,
-                label=f"{arm}: b = {-slope:.3f}")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("training compute (FLOPs)")
-    ax.set_ylabel("held-out bits per byte")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("the ladder: every arm, every point (free power-law fits)", fontsize=10)
+        ax.plot(cs, np.exp(alpha - b * np.log(cs)), color=f"C{i}", linewidth=1.2, label=f"{arm}: b = {b:.3f}")
+    _loss_axes(ax, "the ladder: every arm, every point (free power-law fits)")
     paths = [str(out / "scaling_ladder.png")]
     save_png(fig, paths[0])
     if any(sweeps.values()):

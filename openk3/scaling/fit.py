@@ -40,8 +40,8 @@ def _cells(points: list[dict], arm: str) -> dict[tuple, list[tuple[float, float]
     return dict(out)
 
 
-def _free(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """log L = alpha - b log C by least squares -> (alpha = log a, b)."""
+def power_law(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """One arm's free fit: log L = alpha - b log C by least squares over (x = log C, y = log L) -> (alpha, b)."""
     slope, intercept = np.polyfit(x, y, 1)
     return float(intercept), float(-slope)
 
@@ -62,8 +62,8 @@ def log_compute_at(alpha: float, b: float, log_loss: float) -> float:
 
 
 def _estimates(xt, yt, xb, yb, grid_logL: np.ndarray, log_c_max: float) -> dict:
-    at, bt = _free(xt, yt)
-    ab, bb = _free(xb, yb)
+    at, bt = power_law(xt, yt)
+    ab, bb = power_law(xb, yb)
     st, sb, b = _shared(xt, yt, xb, yb)
     shared_log_m = (sb - st) / b if b > 0 else float("nan")
     free_log_m = np.array([log_compute_at(ab, bb, g) - log_compute_at(at, bt, g) for g in grid_logL]) \
@@ -193,7 +193,3 @@ def _exp(x: float) -> float:
     if not math.isfinite(x):
         return x if math.isnan(x) else (math.inf if x > 0 else 0.0)
     return math.exp(x) if x < 700 else math.inf
-
-
-def predict(alpha: float, b: float, compute: np.ndarray) -> np.ndarray:
-    return np.exp(alpha - b * np.log(compute))

@@ -100,15 +100,24 @@ class PointStore:
 
     def _stale(self, folder: Path, arm: str, width: int) -> bool:
         """Does the run's saved model config differ from the family's current one in anything but the ids the
-        tokenizer sets?"""
+        tokenizer sets, or its training options from the family's?"""
         path = folder / "train_config.json"
         if not path.is_file():
             return False
-        saved = read_json(path).get("model", {})
-        now = family(arm).config(width, self.settings.layers, self.settings.vocab, self.settings.seq_len).to_dict()
+        saved_all = read_json(path)
+        saved = saved_all.get("model", {})
+        fam = family(arm)
+        now = fam.config(width, self.settings.layers, self.settings.vocab, self.settings.seq_len).to_dict()
         ignore = {"vocab_size", "eos_token_id", "bos_token_id", "pad_token_id"}
         keys = (set(saved) | set(now)) - ignore
-        return any(saved.get(k) != now.get(k) for k in keys)
+        if any(saved.get(k) != now.get(k) for k in keys):
+            return True
+        # the family's training options too (k2-style's balance, k3-adamw's optimizer)
+        for key, value in fam.train_overrides.items():
+            section, _, leaf = key.rpartition(".")
+            if (saved_all.get(section, {}) if section else saved_all).get(leaf) != value:
+                return True
+        return False
 
     # ---- the run ----------------------------------------------------------------------------------
     def train_config(self, arm: str, width: int, steps: int, lr: float, seed: int):
