@@ -30,7 +30,6 @@ from common import (  # noqa: E402
     DTYPES,
     machine_line,
     median,
-    mfu,
     peak_flops,
     setup_threads,
     spread,
@@ -44,14 +43,20 @@ from openk3.model.accounting import count_params, flops_per_token  # noqa: E402
 from openk3.model.model import K3ForCausalLM  # noqa: E402
 
 
-def make_step(forward, params, ids, labels):
-    """One training step minus the optimizer: zero grads, forward, loss, backward."""
+def make_step(forward, params, ids, labels, autocast_dtype=None):
+    """One training step minus the optimizer: zero grads, forward, loss, backward (on a GPU: waited for, so the
+    timer sees the kernels, and with bf16 as autocast over float32 weights, as `openk3 train dtype=bf16` runs)."""
+    cuda = ids.is_cuda
+
     def step():
         for p in params:
             p.grad = None
-        logits = forward(ids)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        with torch.autocast(ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = forward(ids)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
         loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
         return loss.detach()
     return step
 
@@ -197,29 +202,49 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-peer", action="store_true", help="time openk3 alone")
     ap.add_argument("--hf-experts", default=None, help="transformers experts implementation (default: fastest)")
     ap.add_argument("--profile", action="store_true", help="break openk3's step down by component")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda: on a GPU bf16 is autocast over float32 "
+                    "weights, and MFU needs --peak-tflops (the transformers peer runs on the CPU only)")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's dense matmul peak in the step's dtype, TFLOP/s (on CUDA: for MFU)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
 
     threads = setup_threads(args.threads)
     dtype = DTYPES[args.dtype]
     cfg = preset(args.preset)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this torch has no CUDA device")
+        args.no_peer = True  # transformers' KimiLinear would run fla's kernels there: not the reference peer
     torch.manual_seed(0)
-    model = K3ForCausalLM.build(cfg, dtype=dtype, seed=0).train()
+    on_gpu = device.type == "cuda"
+    # on a GPU: float32 weights and bf16 autocast (training's mixed precision); on the CPU: weights in the dtype
+    model = K3ForCausalLM.build(cfg, dtype=torch.float32 if on_gpu else dtype, seed=0, device=device).train()
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
-    labels = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
+    labels = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=gen).to(device)
     tokens = args.batch * args.seq
     fpt = flops_per_token(model, args.seq, training=True)
     counts = count_params(model)
     print(f"preset {args.preset}: {counts.total / 1e6:.1f}M params ({counts.active / 1e6:.1f}M active), "
           f"{cfg.num_experts} experts top-{cfg.num_experts_per_token}; B={args.batch} T={args.seq} {args.dtype}")
-    print(machine_line(threads))
-    print(f"model FLOPs per token (training) {fpt / 1e6:.1f} MFLOP; peak {args.dtype} "
-          f"{1e-9 * peak_flops(dtype, threads):.0f} GFLOP/s over {threads} thread(s)")
+    if on_gpu:
+        peak = None if args.peak_tflops is None else 1e12 * args.peak_tflops
+        told = "not given (no MFU)" if peak is None else f"{args.peak_tflops} TFLOP/s"
+        print(f"device {torch.cuda.get_device_name(device)}, torch {torch.__version__}; model FLOPs per token "
+              f"(training) {fpt / 1e6:.1f} MFLOP; peak {told}")
+    else:
+        peak = peak_flops(dtype, threads) if args.peak_tflops is None else 1e12 * args.peak_tflops
+        print(machine_line(threads))
+        print(f"model FLOPs per token (training) {fpt / 1e6:.1f} MFLOP; peak {args.dtype} "
+              f"{1e-9 * peak:.0f} GFLOP/s over {threads} thread(s)")
 
-    fns = {"openk3": make_step(model, list(model.parameters()), ids, labels)}
+    fns = {"openk3": make_step(model, list(model.parameters()), ids, labels,
+                               autocast_dtype=dtype if on_gpu and dtype != torch.float32 else None)}
     result = {"preset": args.preset, "batch": args.batch, "seq": args.seq, "dtype": args.dtype, "threads": threads,
-              "flops_per_token_training": fpt, "repeats": args.repeats}
+              "device": args.device, "flops_per_token_training": fpt, "repeats": args.repeats,
+              "peak_flops": peak}
     peer = not args.no_peer
     if peer:
         from openk3.peers import check_kimi_linear_form, to_transformers
@@ -248,9 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name, ts in times.items():
         tps = tokens / median(ts)
         line = f"{name:13s} step {spread(ts)}  {tps:9.1f} tokens/s"
-        line += f"  MFU {100 * mfu(tps, fpt, dtype, threads):.2f}%"
+        achieved = None if peak is None else tps * fpt / peak
+        line += f"  {tps * fpt / 1e12:.3f} TFLOP/s" + ("" if achieved is None else f"  MFU {100 * achieved:.2f}%")
         print(line)
-        result[name] = {"step_s": ts, "tokens_per_s": tps, "mfu": mfu(tps, fpt, dtype, threads)}
+        result[name] = {"step_s": ts, "tokens_per_s": tps, "model_flops_per_s": tps * fpt, "mfu": achieved}
     if "transformers" in result:
         ratio = result["openk3"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
         result["ratio_openk3_over_transformers"] = ratio

@@ -150,6 +150,45 @@ FP32_TRANSFORMERS_NAMES = ("self_attn.conv1d.weight", "forget_gate.A_log", "forg
                            "self_attn.o_norm.weight", "e_score_correction_bias")
 
 
+_KIMI_LINEAR = "transformers.models.kimi_linear.modeling_kimi_linear"
+
+
+def _reference_kimi_linear():
+    """transformers' `KimiLinearForCausalLM` on its reference PyTorch path.
+
+    transformers runs KDA and the short convolution through fla's Triton kernels whenever `import fla` works
+    (decided once, when its modeling module is imported), also for CPU tensors, where they cannot run without a GPU
+    driver (with triton installed: openk3's `triton` test tier) or run under Triton's interpreter. The peer is
+    meant to be the plain-torch implementation, so fla and causal_conv1d are hidden while that module is imported,
+    and a module imported before with fla's kernels is an error rather than a silently different peer.
+    """
+    import importlib
+    import sys
+
+    if _KIMI_LINEAR not in sys.modules:
+        hidden = {name: sys.modules.get(name) for name in ("fla", "causal_conv1d")}
+        try:
+            for name in hidden:
+                sys.modules[name] = None  # `import fla` raises ImportError: transformers falls back to torch
+            importlib.import_module(_KIMI_LINEAR)
+        finally:
+            for name, module in hidden.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
+    modeling = sys.modules[_KIMI_LINEAR]
+    for fn_name in ("chunk_kimi_delta_attention", "causal_conv1d_fn"):
+        fn = getattr(modeling, fn_name, None)
+        cells = dict(zip(getattr(fn, "__code__", None) and fn.__code__.co_freevars or (), fn.__closure__ or ()))
+        chosen = cells.get("implementation")
+        if chosen is not None and chosen.cell_contents is not getattr(fn, "__wrapped__", None):
+            raise RuntimeError(f"transformers' {_KIMI_LINEAR} was imported before openk3.peers with fla's kernels "
+                               f"for {fn_name}; the peer must be its PyTorch path: use openk3.peers.to_transformers "
+                               "before anything else imports KimiLinearForCausalLM")
+    return modeling.KimiLinearForCausalLM
+
+
 def to_transformers(model, *, experts_implementation: str | None = None, attn_implementation: str = "eager",
                     dtype: torch.dtype = torch.float32):
     """A transformers `KimiLinearForCausalLM` (eval mode) with exactly the weights of `model`.
@@ -165,7 +204,7 @@ def to_transformers(model, *, experts_implementation: str | None = None, attn_im
     Raises:
         ValueError: naming the config field of a K3-only feature, or on a weight-name/shape mismatch.
     """
-    from transformers import KimiLinearForCausalLM
+    KimiLinearForCausalLM = _reference_kimi_linear()
 
     hf_cfg = transformers_config(model.config, attn_implementation=attn_implementation)
     with torch.device("meta"):

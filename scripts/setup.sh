@@ -16,6 +16,7 @@ fi
 stamp=.venv/.openk3-pyproject.sha256
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! python -c "import openk3" 2>/dev/null; then  # (openk3's own import is light)
-  pip install -q --no-compile -e ".[dev]"
+  # interpreter: triton (pinned, ~690 MB) for the `triton` test tier, fla's kernels run on the CPU
+  pip install -q --no-compile -e ".[dev,interpreter]"
   echo "$want" > "$stamp"
 fi

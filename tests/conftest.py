@@ -16,6 +16,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # `from helpers import assert_close` in every layout
 
 torch.set_num_threads(1)
+# The `triton` tier (tests/test_fla_backend.py) runs fla's Triton kernels on the CPU through Triton's interpreter,
+# which triton reads when a kernel is decorated, i.e. when fla is imported: so it is chosen here, before any test
+# imports fla. Never where CUDA is: there the kernels compile (scripts/gpu_check.sh). Nothing else uses Triton here
+# (torch.compile on the CPU generates C++).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # ...and every openk3 entry point the tests call (in process or as a subprocess) stays on one thread: without a
 # count, `openk3 train` measures whether all CPUs are faster and may switch (train/threads.py)
 os.environ.setdefault("OPENK3_THREADS", "1")

@@ -426,3 +426,60 @@ def test_bf16_autocast_keeps_fp32_islands_and_trains():
     torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten()).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(gr).all() for gr in grads)
+
+
+# ---- decode's packed weights never go stale ------------------------------------------------------------------
+
+def _decode_logits(model, ids, steps=3):
+    """Logits of the last `steps` tokens decoded one at a time after a prefill (the packed-weight paths)."""
+    with torch.no_grad():
+        cache = model.new_cache()
+        model(ids[:, :-steps], cache=cache)
+        return torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(ids.shape[1] - steps, ids.shape[1])], 1)
+
+
+@pytest.mark.parametrize("edit", ["data_iadd", "data_mul_", "no_grad_add_", "data_assign"])
+def test_in_place_weight_edits_reach_the_next_decode_step(edit):
+    """Decode reads the KDA input projections and conv taps from one packed buffer and the experts through views.
+    After a decode step has built them, an in-place edit of a weight (a PEFT merge does `p.data += delta`, which
+    bumps no version counter; `p.data.mul_` neither) must change the very next step exactly as in a model built
+    with the edited weights."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM.build(nano(), dtype=torch.float64, seed=3).eval()
+    ids = _ids(2, 12, seed=4)
+    _decode_logits(model, ids)  # builds the packed buffers and the expert views
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    moe = next(m for m in model.modules() if type(m).__name__ == "SparseMoE")
+    targets = [kda.q_proj.weight, kda.b_proj.weight, kda.k_conv1d.weight, moe.experts.w1, moe.experts.w2]
+    gen = torch.Generator().manual_seed(5)
+    for p in targets:
+        delta = 0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        if edit == "data_iadd":
+            p.data += delta
+        elif edit == "data_mul_":
+            p.data.mul_(1 + delta)
+        elif edit == "no_grad_add_":
+            with torch.no_grad():
+                p.add_(delta)
+        else:
+            p.data = p.data + delta  # new storage
+    fresh = K3ForCausalLM.build(nano(), dtype=torch.float64, seed=3).eval()
+    fresh.load_state_dict(model.state_dict())
+    got, want = _decode_logits(model, ids), _decode_logits(fresh, ids)
+    assert not torch.equal(got, _decode_logits(K3ForCausalLM.build(nano(), dtype=torch.float64, seed=3).eval(), ids))
+    assert torch.equal(got, want)
+
+
+def test_packing_under_inference_mode_leaves_the_model_trainable():
+    """The engine decodes under torch.inference_mode and RL trains the same model next: the packed buffer the
+    parameters move into must be a normal tensor (autograd cannot save inference tensors)."""
+    model = K3ForCausalLM.build(nano(), seed=3)
+    ids = _ids(1, 8, seed=6)
+    with torch.inference_mode():
+        cache = model.new_cache()
+        model(ids[:, :-1], cache=cache)
+        model(ids[:, -1:], cache=cache)  # packs the KDA projections and conv taps
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    assert not kda.q_proj.weight.is_inference()
+    model(ids).float().pow(2).mean().backward()
+    assert kda.q_proj.weight.grad is not None

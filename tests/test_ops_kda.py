@@ -8,11 +8,13 @@ import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from openk3.ops import fla_kernels
 from openk3.ops import kda as kda_mod
 from openk3.ops import kda_chunked as chunk_mod
 from openk3.ops.kda import kda, kda_chunked, kda_recurrent, kda_step, kda_step_
@@ -286,14 +288,14 @@ def test_matches_fla_naive_oracle(impl):
 
 
 def test_dispatcher_uses_chunked_on_cpu_without_looking_for_fla():
-    kda_mod._fla_chunk_kda.cache_clear()
+    fla_kernels._import_fla.cache_clear()
     inputs = make_inputs(1, 33, 2, 8, 6)
     doc_start = torch.zeros(1, 33, dtype=torch.bool)
     doc_start[0, 20] = True
     o_ref, s_ref = kda_chunked(*inputs, scale=0.3, doc_start=doc_start, chunk_size=16)
     o, s = kda(*inputs, scale=0.3, doc_start=doc_start, chunk_size=16)
     assert torch.equal(o, o_ref) and torch.equal(s, s_ref)
-    assert kda_mod._fla_chunk_kda.cache_info().misses == 0, "CPU inputs must not even try to import fla"
+    assert fla_kernels._import_fla.cache_info().misses == 0, "CPU inputs must not even try to import fla"
 
 
 def test_module_import_does_not_import_fla():
@@ -305,9 +307,9 @@ def test_module_import_does_not_import_fla():
 
 
 def _fake_fla_varlen_kernel(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens,
-                            cu_seqlens_cpu):
+                            cu_seqlens_cpu, use_qk_l2norm_in_kernel):
     """Stand-in for fla's chunk_kda in varlen mode (B = 1, one fp32 initial state per sequence)."""
-    assert q.shape[0] == 1 and output_final_state
+    assert q.shape[0] == 1 and output_final_state and not use_qk_l2norm_in_kernel
     assert torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
     assert initial_state is None or initial_state.dtype == torch.float32
     bounds = cu_seqlens_cpu.tolist()
@@ -321,14 +323,16 @@ def _fake_fla_varlen_kernel(q, k, v, g, beta, *, scale, initial_state, output_fi
 
 
 @pytest.mark.parametrize("with_state", [False, True], ids=["no_h0", "h0"])
-def test_varlen_conversion_for_fla(with_state):
-    """doc_start -> cu_seqlens, per-sequence initial states and per-row final states, as `kda` feeds fla."""
+def test_varlen_conversion_for_fla(with_state, monkeypatch):
+    """doc_start -> cu_seqlens, per-sequence initial states and per-row final states, as `kda` feeds fla (with a
+    stand-in kernel; tests/test_fla_backend.py runs fla's own under Triton's interpreter)."""
+    monkeypatch.setattr(fla_kernels, "fla_ops", lambda x: SimpleNamespace(chunk_kda=_fake_fla_varlen_kernel))
     B, T, H, K, V = 2, 80, 2, 12, 10
     inputs = make_inputs(B, T, H, K, V, seed=7)
     h0 = make_state(B, H, K, V) if with_state else None
     doc_start = _doc_start(B, T)
     o_ref, s_ref = kda_recurrent(*inputs, scale=0.3, initial_state=h0, doc_start=doc_start)
-    o, s = kda_mod._kda_varlen(_fake_fla_varlen_kernel, *inputs, scale=0.3, initial_state=h0, doc_start=doc_start)
+    o, s = fla_kernels.chunk_kda(*inputs, scale=0.3, initial_state=h0, doc_start=doc_start)
     # fla takes and returns fp32 states, so h0 and the final state pass through fp32.
     assert_close("o", o_ref, o, 1e-6 if with_state else 1e-12)
     assert_close("final_state", s_ref, s, 1e-6)

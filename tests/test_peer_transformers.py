@@ -172,3 +172,26 @@ def test_rejects_k3_form_model():
     model = K3ForCausalLM.build(nano(), device="meta")
     with pytest.raises(ValueError, match="attn_res_block_size"):
         to_transformers(model)
+
+
+def test_the_peer_is_transformers_pytorch_path_with_fla_installed():
+    """With fla and triton installed (the `triton` test tier), transformers would run KDA through fla's kernels on
+    CPU tensors; `to_transformers` imports its modeling module with fla hidden, even after fla itself was
+    imported, and refuses a module that some other import already bound to fla's kernels."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    check = ("import sys; from openk3.peers import _reference_kimi_linear as ref\n"
+             "{before}\n"
+             "try:\n    ref(); print('TORCH')\nexcept RuntimeError as e:\n    print('REFUSED', e)\n")
+    root = Path(__file__).resolve().parents[1]
+    results = {}
+    for name, before in [("fla first", "import fla.ops.kda"),
+                         ("transformers first", "from transformers import KimiLinearForCausalLM")]:
+        out = subprocess.run([sys.executable, "-c", check.format(before=before)], cwd=root, capture_output=True,
+                             text=True, timeout=300)
+        results[name] = out.stdout + out.stderr[-2000:]
+    assert "TORCH" in results["fla first"], results["fla first"]
+    assert "REFUSED" in results["transformers first"] and "PyTorch path" in results["transformers first"], \
+        results["transformers first"]

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from openk3.common import fp32_island, upcast
 from openk3.config import K3Config
 from openk3.model.cache import KDAState
-from openk3.model.layers import fused_weight
+from openk3.model.layers import packed_weight
+from openk3.ops import fla_kernels
 from openk3.ops import kda as kda_ops
 
 
@@ -56,10 +57,10 @@ class ShortConv(nn.Module):
 
 
 def conv_step_(x_BP: torch.Tensor, history_BWP: torch.Tensor, w_JP: torch.Tensor) -> torch.Tensor:
-    """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t(), contiguous): silu(conv) [B, P]
-    computed in fp32 and rounded to x's dtype as `ShortConv` does; shifts `history_BWP` in place (no autograd).
-    Taps stored [J, P] let a compiled step vectorise along P; read through a transposed [P, J] view they were
-    strided loads that inductor left scalar."""
+    """One decode token of `ShortConv` (weights `w_JP` = weight[:, 0, :].t()): silu(conv) [B, P] computed in fp32
+    and rounded to x's dtype as `ShortConv` does; shifts `history_BWP` in place (no autograd). A compiled step
+    gets the taps as one contiguous [J, P] so that it vectorises along P (read through a transposed [P, J] view
+    they were strided loads that inductor left scalar); eager decode reads a view of the packed weights."""
     full_BJP = upcast(torch.cat([history_BWP, x_BP[:, None].to(history_BWP.dtype)], dim=1))
     out_BP = (full_BJP * upcast(w_JP)).sum(1)
     if history_BWP.shape[1]:
@@ -73,6 +74,10 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
+    # Training and prefill kernels (`openk3.ops.fla_kernels`): "auto" | "fla" | "chunked", None reads
+    # OPENK3_KDA_BACKEND. Set per layer by `K3ForCausalLM.set_kda_backend`; decode steps are the same either way.
+    backend: str | None = None
+
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         la = cfg.linear_attn_config
@@ -133,6 +138,12 @@ class KimiDeltaAttention(nn.Module):
         H, K = self.num_heads, self.head_dim
         if state is not None and T == 1 and not torch.is_grad_enabled():
             return self._decode_(x_BTD, state), state
+        doc_start_BT = None
+        if seg_BT is not None:
+            doc_start_BT = torch.zeros_like(seg_BT, dtype=torch.bool)
+            doc_start_BT[:, 1:] = seg_BT[:, 1:] != seg_BT[:, :-1]
+        if fla_kernels.use_fla(self.backend, x_BTD) and not (state is not None and T == 1):
+            return self._forward_fla(x_BTD, doc_start_BT, state)
         hist = (state.conv_q, state.conv_k, state.conv_v) if state is not None else (None, None, None)
         q_BTP, hq = self.q_conv1d(self.q_proj(x_BTD), hist[0], seg_BT)
         k_BTP, hk = self.k_conv1d(self.k_proj(x_BTD), hist[1], seg_BT)
@@ -145,10 +156,6 @@ class KimiDeltaAttention(nn.Module):
         # beta in fp32 as the release's modeling code has it (b_proj(x).float().sigmoid()); transformers and
         # FLA's generic KDA layer take the sigmoid in bf16, i.e. round beta (tests/test_peer_bf16.py).
         beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
-        doc_start_BT = None
-        if seg_BT is not None:
-            doc_start_BT = torch.zeros_like(seg_BT, dtype=torch.bool)
-            doc_start_BT[:, 1:] = seg_BT[:, 1:] != seg_BT[:, :-1]
         s0 = state.recurrent if state is not None else None
         with fp32_island(x_BTD):  # the delta rule and its state are fp32 even under bf16 autocast
             o_BTHK, s1 = self._delta_rule(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, s0, doc_start_BT, T)
@@ -165,6 +172,39 @@ class KimiDeltaAttention(nn.Module):
         new_state = KDAState(torch.cat([hq, hk, hv], dim=-1), s1) if state is not None else None
         return out_BTD, new_state
 
+    def _output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
+
+    def _forward_fla(self, x_BTD: torch.Tensor, doc_start_BT: torch.Tensor | None,
+                     state: KDAState | None) -> tuple[torch.Tensor, KDAState | None]:
+        """`forward` with fla's kernels, as the release's modeling code runs KDA: fla's causal conv with SiLU,
+        `chunk_kda` with the L2 norm of q, k and the decay gate inside the kernel, and `FusedRMSNormGated`. The
+        same maths as the PyTorch path (tests/test_fla_backend.py compares outputs and every gradient)."""
+        B, T, _ = x_BTD.shape
+        H, K = self.num_heads, self.head_dim
+        P = H * K
+        hist = state.conv.split(P, -1) if state is not None else (None, None, None)
+        q_BTP, hq = fla_kernels.short_conv(self.q_proj(x_BTD), self.q_conv1d.weight, hist[0], doc_start_BT)
+        k_BTP, hk = fla_kernels.short_conv(self.k_proj(x_BTD), self.k_conv1d.weight, hist[1], doc_start_BT)
+        v_BTP, hv = fla_kernels.short_conv(self.v_proj(x_BTD), self.v_conv1d.weight, hist[2], doc_start_BT)
+        z_BTHK = upcast(self.f_b_proj(self.f_a_proj(x_BTD))).view(B, T, H, K)
+        beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
+        gate = {"A_log": upcast(self.A_log[:H]), "dt_bias": upcast(self.dt_bias), "lower_bound": self.lower_bound}
+        s0 = state.recurrent if state is not None else None
+        with fp32_island(x_BTD):
+            # q, k, v go in as the conv rounded them (bf16 in a bf16 model), as the release hands them to fla
+            o_BTHK, s1 = fla_kernels.chunk_kda(q_BTP.view(B, T, H, K), k_BTP.view(B, T, H, K),
+                                               v_BTP.view(B, T, H, K), z_BTHK, beta_BTH, scale=K ** -0.5,
+                                               initial_state=s0, doc_start=doc_start_BT, gate=gate, l2norm=True)
+            o_BTHK = fla_kernels.gated_rms_norm(upcast(o_BTHK.to(v_BTP.dtype)),
+                                                upcast(self._output_gate(x_BTD)).view(B, T, H, K),
+                                                upcast(self.o_norm.weight), self.eps)
+        out_BTD = self.o_proj(o_BTHK.reshape(B, T, P).to(x_BTD.dtype))
+        new_state = None
+        if state is not None:
+            new_state = KDAState(torch.cat([hq, hk, hv], dim=-1), s1.to(state.recurrent.dtype))
+        return out_BTD, new_state
+
     def _decode_(self, x_B1D: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One token per row, updating `state` in place (the engine's decode path; no autograd).
 
@@ -178,18 +218,19 @@ class KimiDeltaAttention(nn.Module):
         full_rank = hasattr(self, "g_proj")
         projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                  self.g_proj if full_rank else self.g_a_proj]
-        w = fused_weight(self, "in_proj", [m.weight for m in projs])
+        w = packed_weight(self, "in_proj", [m.weight for m in projs])
         if w is not None:
             y_BN = F.linear(x_BD, w)
             ys, qkv_B3P = y_BN.split([m.weight.shape[0] for m in projs], -1), y_BN[:, :3 * P]
         else:
             ys = [m(x_BD) for m in projs]
             qkv_B3P = torch.cat(ys[:3], -1)
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        taps = [c.weight[:, 0, :].t() for c in convs]  # [J, P] each; cat makes them one contiguous [J, 3P]
-        w_conv = fused_weight(self, "conv", taps, dim=1)
-        if w_conv is None:
-            w_conv = torch.cat(taps, 1)
+        convs = [c.weight for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]  # [P, 1, J] each
+        w_conv = packed_weight(self, "conv", convs)
+        if w_conv is None:  # (compiled: one contiguous [J, 3P], see conv_step_)
+            w_conv = torch.cat([w[:, 0, :].t() for w in convs], 1)
+        else:
+            w_conv = w_conv[:, 0, :].t()  # [J, 3P], a view of the packed [3P, 1, J]
         act_dtype = qkv_B3P.dtype  # conv and delta-rule outputs are rounded to it, as in `forward`
         qkv_B3P = upcast(conv_step_(qkv_B3P, state.conv, w_conv))
         qk_B2HK = l2_normalize(qkv_B3P[:, :2 * P].reshape(B, 2 * H, K))

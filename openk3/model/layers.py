@@ -17,8 +17,9 @@ FUSE_MAX_BYTES = 32 << 20
 
 
 def cached_on(owner: nn.Module, key: str, parts: list[torch.Tensor], build):
-    """`build()` cached on `owner` under `key` until one of `parts` changes: new storage (load, cast,
-    `.to`) or an in-place update (an optimizer step bumps the tensor's version counter)."""
+    """`build()` cached on `owner` under `key` until one of `parts` gets new storage (load, cast, `.to`) or an
+    in-place update through autograd's eyes (the tensor's version counter). Only for builds that are *views* of
+    the parts: a view cannot go stale, whatever writes its memory (`p.data += x` bumps no version counter)."""
     sig = tuple((p.data_ptr(), p._version, p.dtype) for p in parts)
     cache = owner.__dict__.setdefault("_decode_cache", {})
     hit = cache.get(key)
@@ -28,17 +29,48 @@ def cached_on(owner: nn.Module, key: str, parts: list[torch.Tensor], build):
     return hit[1]
 
 
-def fused_weight(owner: nn.Module, key: str, parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor | None:
-    """cat(parts, dim) for decode, cached on `owner` (`cached_on`). None when the parts exceed
-    `FUSE_MAX_BYTES`: one big matmul per part costs nothing extra at that size, while a fused copy would
-    double their memory.
+def packed_weight(owner: nn.Module, key: str, params: list[torch.Tensor]) -> torch.Tensor | None:
+    """cat(params, 0) for decode, without a second copy that could go stale: the parameters are moved, once, into
+    one buffer as consecutive slices of it (`p.data` = a contiguous view), and the buffer is what this returns
+    from then on. Every write to a parameter, `p.data += delta` included (a PEFT merge, a user's edit: no version
+    counter sees those), is a write to the buffer. When a parameter no longer lives in the buffer (a load, a cast,
+    `.to`), they are packed again. None when the parameters exceed `FUSE_MAX_BYTES` (one big matmul per part
+    costs nothing extra at that size), under torch.compile (a compiled step removes the per-op overhead anyway),
+    or for parameters that are not plain tensors (FSDP's DTensors).
 
-    Small-batch decode is bound by per-op overhead, so one matmul over the fused weight replaces
-    several; the result is the same as the separate matmuls (tests compare decode with forward).
+    Small-batch decode is bound by per-op overhead, so one matmul over the packed weight replaces several; the
+    result is the same as the separate matmuls (tests compare decode with forward).
     """
-    if torch.compiler.is_compiling() or sum(p.numel() * p.element_size() for p in parts) > FUSE_MAX_BYTES:
-        return None  # a compiled decode step (`openk3.infer.graph`) removes the per-op overhead anyway
-    return cached_on(owner, key, parts, lambda: torch.cat([p.detach() for p in parts], dim))
+    if torch.compiler.is_compiling() or sum(p.numel() * p.element_size() for p in params) > FUSE_MAX_BYTES:
+        return None
+    if any(type(p.data) is not torch.Tensor or p.dtype != params[0].dtype or p.device != params[0].device
+           or p.shape[1:] != params[0].shape[1:] for p in params):
+        return None
+    cache = owner.__dict__.setdefault("_decode_cache", {})
+    buffer = cache.get(key)
+    if buffer is not None and _lives_in(params, buffer):
+        return buffer
+    # (a normal tensor even when decode runs under inference_mode: the parameters live in it and train afterwards,
+    # and autograd cannot save inference tensors; RL generates and trains the same model in turn)
+    with torch.inference_mode(False), torch.no_grad():
+        buffer = torch.cat([p.detach() for p in params], 0)
+        for p, view in zip(params, buffer.split([p.shape[0] for p in params], 0)):
+            p.data = view
+    cache[key] = buffer
+    return buffer
+
+
+def _lives_in(params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
+    """Whether each parameter is still its slice of `buffer` (same memory, same layout)."""
+    if buffer.dtype != params[0].dtype or buffer.device != params[0].device:
+        return False
+    storage, start = buffer.untyped_storage().data_ptr(), buffer.storage_offset()
+    for p in params:
+        if (p.untyped_storage().data_ptr() != storage or p.storage_offset() != start or not p.is_contiguous()
+                or p.shape[1:] != buffer.shape[1:]):
+            return False
+        start += p.numel()
+    return start == buffer.storage_offset() + buffer.numel()
 
 
 class RMSNorm(nn.Module):

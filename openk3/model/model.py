@@ -21,6 +21,7 @@ from openk3.model.layers import GluMLP, RMSNorm, make_glu
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import SparseMoE
 from openk3.ops.attnres import attn_res_mix
+from openk3.ops.fla_kernels import check_backend
 
 # Tensors the release stores (and the reference computes with) in fp32 whatever the model dtype
 # (spec §2, §10.13). `K3ForCausalLM.cast` keeps them fp32.
@@ -182,19 +183,30 @@ class K3ForCausalLM(nn.Module):
 
     @classmethod
     def build(cls, cfg: K3Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-              seed: int | None = 0) -> "K3ForCausalLM":
+              seed: int | None = 0, kda_backend: str | None = None) -> "K3ForCausalLM":
         """Declare on the meta device, allocate on `device`, run `init_weights` (skipped on meta).
 
         fp32-island tensors (`FP32_NAMES`) stay fp32 whatever `dtype` is (float64 keeps all float64).
+        `kda_backend`: see `set_kda_backend`.
         """
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg).set_kda_backend(kda_backend)
         if str(device) == "meta":
             return model.cast(dtype)
         model._allocate(device)
         gen = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         model.init_weights(gen)
         return model.cast(dtype)
+
+    def set_kda_backend(self, backend: str | None) -> "K3ForCausalLM":
+        """The training / prefill kernels of every KDA layer (`openk3.ops.fla_kernels`): "auto" (fla on CUDA when
+        it imports), "fla", "chunked", or None to follow OPENK3_KDA_BACKEND at each call. Returns self."""
+        if backend is not None:
+            check_backend(backend, "kda_backend")
+        for module in self.modules():
+            if isinstance(module, KimiDeltaAttention):
+                module.backend = backend
+        return self
 
     def _allocate(self, device: str | torch.device) -> None:
         """Uninitialised storage on `device` for every meta tensor: `nn.Module.to_empty`'s result, without its first

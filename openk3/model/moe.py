@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from openk3.common import opaque_op
 from openk3.config import K3Config
-from openk3.model.layers import GluMLP, RMSNorm, cached_on, fused_weight, make_glu
+from openk3.model.layers import GluMLP, RMSNorm, cached_on, make_glu
 from openk3.ops import moe as moe_ops
 from openk3.ops import moe_cpu, moe_mxfp4_cpu
 
@@ -50,9 +50,18 @@ FUSED_MAX_WORK = 1 << 21
 FUSED_MAX_EXPERT = 1 << 16
 
 
-def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False) -> str:
+def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False,
+                  grad: bool = False) -> str:
     # With a symbolic batch each comparison becomes a guard (a recompile where it flips): with the kernel,
     # the size test comes first, so every batch past it shares the fused graph whatever tokens*k vs E says.
+    if grad:
+        # A compiled training step: only differentiable forms. The opaque operators (fused_op, grouped_op) have
+        # no backward, and autograd would treat them as constants: every expert and router weight would get no
+        # gradient, silently (tests/test_compiled_train.py). "grouped" breaks the graph at its host read of the
+        # per-expert counts; the pieces around it stay compiled.
+        if tokens * top_k <= num_experts:
+            return "gather"
+        return "dense" if tokens * hidden * width <= DENSE_MAX_NCI else "grouped"
     if fused:
         if tokens * top_k * hidden * width > GATHER_MAX_MIC or tokens * top_k > num_experts:
             return "fused_op"
@@ -133,17 +142,13 @@ class SparseMoE(nn.Module):
         if cfg.num_shared_experts:
             self.shared_experts = GluMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, glu)
 
-    def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """Per expert: gate|up weights as one [C, 2I] matrix, down weight as [I, C] (a fused copy of
-        w1/w3 when small, see `layers.fused_weight`; None for large experts). Cached until the weights change."""
+    def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per expert the gate, up and down weights transposed for `x @ w` ([C, I], [C, I], [I, C]): views of the
+        parameters, so no write to them can leave these stale. Cached until the weights get new storage."""
         ex = self.experts
 
         def build():
-            w13 = fused_weight(self, "w13", [ex.w1, ex.w3], dim=1)
-            if w13 is None:
-                return None
-            w13_t, w2_t = w13.transpose(1, 2), ex.w2.detach().transpose(1, 2)
-            return [w13_t[e] for e in range(w13.shape[0])], [w2_t[e] for e in range(w13.shape[0])]
+            return tuple(list(w.detach().transpose(1, 2).unbind(0)) for w in (ex.w1, ex.w3, ex.w2))
 
         return cached_on(self, "expert_views", [ex.w1, ex.w3, ex.w2], build)
 
@@ -175,7 +180,8 @@ class SparseMoE(nn.Module):
                 E, I, C = ex.w1.shape
                 fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
                 if torch.compiler.is_compiling():
-                    impl = compiled_impl(B * T, self.top_k, E, I, C, fused=fused)
+                    grad = torch.is_grad_enabled() and (z_NC.requires_grad or ex.w1.requires_grad)
+                    impl = compiled_impl(B * T, self.top_k, E, I, C, fused=fused, grad=grad)
                 elif fused and B * T * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
                     impl = "fused"
                 else:

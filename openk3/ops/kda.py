@@ -8,15 +8,13 @@ i.e. S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T, read
 
 Three exact forms share one calling convention: `kda_recurrent` (the token loop, the reference),
 `kda_chunked` (matmul-based, for training and prefill; in `kda_chunked.py`) and `kda_step` (one decode token).
-`kda` picks fla's Triton kernel on CUDA when fla is importable, else `kda_chunked`. q and k must already be
-L2-normalised; nothing here normalises.
+`kda` picks fla's Triton kernel (`backend`; by default on CUDA when fla is importable), else `kda_chunked`.
+q and k must already be L2-normalised; nothing here normalises.
 Computation runs in float32, or float64 for float64 inputs (`openk3.common.upcast`); results come back in the
 dtype of q. `doc_start[b, t]` True resets the state to zero just before token t (packed documents).
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -141,58 +139,22 @@ def kda_recurrent(q, k, v, g, beta, *, scale: float, initial_state=None, doc_sta
 
 
 
-@functools.cache
-def _fla_chunk_kda():
-    """fla's Triton `chunk_kda`, or None when fla (or triton) is not importable. Imported lazily, once."""
-    try:
-        from fla.ops.kda import chunk_kda
-    except Exception:  # ImportError without triton; fla may also fail with other errors on odd platforms
-        return None
-    return chunk_kda
+def kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None, chunk_size: int = CHUNK_SIZE,
+        backend: str | None = None):
+    """KDA for training and prefill: fla's fused `chunk_kda` or `kda_chunked`, by `backend`.
 
-
-def _kda_varlen(kernel, q, k, v, g, beta, *, scale, initial_state, doc_start):
-    """Run a fla-style varlen kernel (B = 1, `cu_seqlens`, one state per sequence) over packed rows.
-
-    Every row start and every `doc_start` opens a sequence; a row's `initial_state` feeds its first sequence
-    unless that row also starts with a `doc_start`; the row's final state is that of its last sequence.
-    """
-    B, T, H, K = q.shape
-    opens_BT = doc_start.clone()
-    opens_BT[:, 0] = True
-    starts = opens_BT.reshape(-1).nonzero().squeeze(-1)
-    cu_seqlens_cpu = torch.cat([starts.cpu(), torch.tensor([B * T])])
-    per_row = opens_BT.sum(-1)
-    last = per_row.cumsum(0) - 1  # index of each row's last sequence
-    h0 = None
-    if initial_state is not None:
-        first = last - per_row + 1
-        keep = ~doc_start[:, 0, None, None, None]
-        h0 = initial_state.new_zeros(starts.numel(), *initial_state.shape[1:], dtype=torch.float32)
-        h0 = h0.index_copy(0, first, torch.where(keep, initial_state.float(), 0.0))
-    flat = [x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o, final = kernel(*flat, scale=scale, initial_state=h0, output_final_state=True,
-                      cu_seqlens=cu_seqlens_cpu.to(q.device), cu_seqlens_cpu=cu_seqlens_cpu)
-    return o.reshape(B, T, H, -1), final[last]
-
-
-def kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=None, chunk_size: int = CHUNK_SIZE):
-    """KDA for training and prefill: fla's fused `chunk_kda` on CUDA when fla is installed, else `kda_chunked`.
-
+    `backend`: "auto" (fla on CUDA when fla imports, else chunked), "fla" or "chunked"; None reads
+    `OPENK3_KDA_BACKEND` (`openk3.ops.fla_kernels`: fla on CPU tensors runs under Triton's interpreter).
     fla is called with pre-normalised q/k, log-space g, post-sigmoid beta and its default [K, V] state layout,
     which are our conventions; packed documents become `cu_seqlens` sequences. fla is imported lazily, on the
-    first CUDA call, and never for float64 (its kernels do not take it). Arguments and result as
-    `kda_chunked` (`chunk_size` applies to the `kda_chunked` fallback only; fla uses its own).
+    first call that uses it, and never for float64 (its kernels do not take it). Arguments and result as
+    `kda_chunked` (`chunk_size` applies to `kda_chunked` only; fla uses its own).
     """
-    kernel = _fla_chunk_kda() if q.is_cuda and q.dtype != torch.float64 else None
-    if kernel is None:
+    from openk3.ops import fla_kernels  # light: fla itself is imported only when used
+
+    if not fla_kernels.use_fla(backend, q):
         return kda_chunked(q, k, v, g, beta, scale=scale, initial_state=initial_state, doc_start=doc_start,
                            chunk_size=chunk_size)
     check_inputs(q, k, v, g, beta, initial_state, doc_start)
-    if doc_start is None:
-        h0 = None if initial_state is None else initial_state.float()  # fla asserts an fp32 initial state
-        o, final = kernel(q, k, v, g, beta, scale=scale, initial_state=h0, output_final_state=True)
-    else:
-        o, final = _kda_varlen(kernel, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                               doc_start=doc_start)
+    o, final = fla_kernels.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, doc_start=doc_start)
     return o.to(q.dtype), final.to(q.dtype)

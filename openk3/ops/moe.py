@@ -64,17 +64,16 @@ def experts_loop(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Ten
 
 def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, w1_EIC: torch.Tensor,
                    w3_EIC: torch.Tensor, w2_ECI: torch.Tensor, glu: Glu, *,
-                   views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> torch.Tensor:
+                   views: tuple[list[torch.Tensor], ...] | None = None) -> torch.Tensor:
     """Decode twin of `experts_loop` for a few tokens: visits only the selected experts (their weights
     are read in place, never gathered) and runs the activation once for all of them.
 
     Cost is O(selected experts) small matmuls instead of one per expert of the layer, which is what a
-    batch of 1-4 decode tokens needs. `views` (see `SparseMoE.decode_views`): per expert, the gate|up
-    weight as one [C, 2I] matrix and the down weight as [I, C], so each expert costs two matmul calls.
-    Same arguments and result as `experts_loop`.
+    batch of 1-4 decode tokens needs. `views` (see `SparseMoE.decode_views`): per expert, the gate, up and
+    down weights already transposed ([C, I], [C, I], [I, C]), which saves indexing and transposing them at
+    every step. Same arguments and result as `experts_loop`.
     """
     N, K = idx_NK.shape
-    I = w1_EIC.shape[1]
     rows_of: dict[int, list[int]] = {}
     for m, e in enumerate(idx_NK.reshape(-1).tolist()):
         rows_of.setdefault(e, []).append(m)
@@ -82,17 +81,15 @@ def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.T
     order = [m for e in experts for m in rows_of[e]]
     xs = [x_NC[ms[0] // K:ms[0] // K + 1] if len(ms) == 1 else x_NC[[m // K for m in ms]]
           for ms in rows_of.values()]
-    if views is not None:
-        gu_MJ = torch.cat([xe @ views[0][e] for xe, e in zip(xs, experts, strict=True)])
-        h_MI = glu(gu_MJ[:, :I], gu_MJ[:, I:])
-    else:
-        gate = torch.cat([xe @ w1_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
-        up = torch.cat([xe @ w3_EIC[e].t() for xe, e in zip(xs, experts, strict=True)])
-        h_MI = glu(gate, up)
+    if views is None:
+        views = tuple(w.transpose(1, 2) for w in (w1_EIC, w3_EIC, w2_ECI))
+    gate = torch.cat([xe @ views[0][e] for xe, e in zip(xs, experts, strict=True)])
+    up = torch.cat([xe @ views[1][e] for xe, e in zip(xs, experts, strict=True)])
+    h_MI = glu(gate, up)
     ys, start = [], 0
     for e in experts:
         n = len(rows_of[e])
-        ys.append(h_MI[start:start + n] @ (views[1][e] if views is not None else w2_ECI[e].t()))
+        ys.append(h_MI[start:start + n] @ views[2][e])
         start += n
     order_M = torch.tensor(order, device=x_NC.device)
     yw_MC = upcast(torch.cat(ys)) * weights_NK.reshape(-1)[order_M, None]
@@ -127,8 +124,11 @@ def experts_dense(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
 
 
 def _grouped_mm_ok(x: torch.Tensor, w_EOC: torch.Tensor) -> bool:
-    # torch's grouped_mm kernels take fp32/bf16 only and need 16-byte aligned row strides.
+    # torch's grouped_mm kernels take fp32/bf16 only and need 16-byte aligned row strides. Traced by torch.compile
+    # only in bf16: its shape function refuses float32 (torch 2.13; eager float32 runs on the CPU).
     if x.dtype not in (torch.float32, torch.bfloat16) or w_EOC.dtype != x.dtype:
+        return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False
     per16 = 16 // x.element_size()
     return x.shape[-1] % per16 == 0 and w_EOC.shape[1] % per16 == 0

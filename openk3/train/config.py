@@ -48,6 +48,7 @@ BALANCES = ("qb", "sign")  # Quantile Balancing (K3) | DeepSeek-V3's sign rule (
 RESUME_FREE = frozenset({
     "max_steps", "eval_every", "eval_batches", "save_every", "keep_checkpoints", "log_every", "samples",
     "sample_tokens", "threads", "device", "activation_checkpointing", "cache_dir", "peak_flops", "preset",
+    "compile",  # the same maths, compiled
     "grad_accum",  # the same global batch in smaller pieces: the same steps
     "model.bos_token_id", "model.eos_token_id", "model.pad_token_id",
     # the same global batch gives the same steps at any world size, so a run may resume on another one
@@ -89,6 +90,10 @@ class LoopConfig:
     qk_clip: bool = False  # MuonClip with optim.qk_clip_tau
     threads: int | None = None  # None: $OPENK3_THREADS / $OMP_NUM_THREADS, else measured (train/threads.py)
     peak_flops: float | None = None  # FLOP/s for MFU; None: the CPU table x threads (no figure on CUDA)
+    # torch.compile the model's forward (and so its backward) in each step: offered where
+    # tests/test_compiled_train.py shows a compiled step's losses, gradients and expert-bias updates equal eager's
+    # (one process on the CPU, float32, no qk_clip / aux loss / activation checkpointing); elsewhere a ValueError
+    compile: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -97,6 +97,7 @@ class Trainer:
         if cfg.grad_accum > 1 and self.aux_loss_coef > 0:
             raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
+        self.forward = self._compiled(model, cfg) if getattr(cfg, "compile", False) else model
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
@@ -107,6 +108,22 @@ class Trainer:
         dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
         self.peak = cfg.peak_flops or peak_flops(dtype, threads, self.device.type)
         self.threads = threads
+
+    def _compiled(self, model: nn.Module, cfg: LoopConfig) -> nn.Module:
+        """`torch.compile(model)` for the step's forward, where a test covers it (see `LoopConfig.compile`)."""
+        uncovered = [what for on, what in (
+            (self.device.type != "cpu", f"device {self.device.type}"),
+            (cfg.dtype != "fp32", f"dtype {cfg.dtype}"),
+            (self.mesh.world_size > 1, "more than one process"),
+            (cfg.qk_clip, "qk_clip"),
+            (self.aux_loss_coef > 0, "aux_loss_coef > 0"),
+            (getattr(cfg, "activation_checkpointing", False), "activation_checkpointing"),
+        ) if on]
+        if uncovered:
+            raise ValueError(f"compile=true is offered where a test shows the compiled step equal to the eager one "
+                             f"(one process, CPU, fp32, no qk_clip, aux loss or activation checkpointing); this run "
+                             f"has {', '.join(uncovered)}: set compile=false")
+        return torch.compile(model)
 
     def use_threads(self, n: int) -> None:
         """Run the next steps on `n` CPU threads (MFU is then measured against `n` cores)."""
@@ -140,7 +157,7 @@ class Trainer:
         for k in range(cfg.grad_accum if self.pipeline is None else 0):
             part = slice(k * micro, (k + 1) * micro)
             with autocast_context(cfg.dtype, self.device):
-                logits = model(ids[part], seg_BT=None if seg is None else seg[part])
+                logits = self.forward(ids[part], seg_BT=None if seg is None else seg[part])
                 loss_sum, _ = cross_entropy_sum(logits, labels[part])
                 share = loss_sum / count.clamp_min(1)
                 total = share
