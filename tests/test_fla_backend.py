@@ -53,6 +53,27 @@ def kda_inputs(B, T, H, K, seed=0):
     return [q, k, v, g, beta], h0
 
 
+def naive_per_document(q, k, v, g, beta, scale, h0, doc_start):
+    """fla's own pure-torch recurrence (`naive_recurrent_kda`, independent of openk3), run document by document:
+    each row's carried state feeds its first document, every later document starts from zero; returns the
+    outputs [B, T, H, V] and each row's final state."""
+    from fla.ops.kda.naive import naive_recurrent_kda
+
+    outs, finals = [], []
+    for b in range(q.shape[0]):
+        bounds = [0, *[t for t in doc_start[b].nonzero().flatten().tolist() if t > 0], q.shape[1]]
+        start = None if h0 is None or doc_start[b, 0] else h0[b:b + 1]
+        row = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            o, state = naive_recurrent_kda(*(x[b:b + 1, lo:hi] for x in (q, k, v, g, beta)), scale=scale,
+                                           initial_state=start, output_final_state=True)
+            row.append(o)
+            start = None  # the next document starts from zero
+        outs.append(torch.cat(row, 1))
+        finals.append(state)
+    return torch.cat(outs), torch.cat(finals)
+
+
 def grads_of(fn, tensors, seed=3):
     """(outputs, gradients) of a random linear functional of everything `fn` returns, w.r.t. `tensors`."""
     tensors = [t.detach().clone().requires_grad_() for t in tensors]
@@ -120,8 +141,9 @@ def test_the_model_takes_a_backend():
 @pytest.mark.triton
 @interpreted
 def test_chunk_kda_equals_the_recurrence_on_packed_rows(with_state):
-    """`kda(backend="fla")` against the token loop: two rows of different document counts (the second opens a
-    document mid-row, the first opens two), 70 tokens (two of fla's 64-token chunks), a state carried in."""
+    """`kda(backend="fla")` against fla's independent naive recurrence (document by document) and openk3's token
+    loop: two rows of different document counts (the first opens two documents mid-row, the second one), 70
+    tokens (two of fla's 64-token chunks), a state carried into each row's first document."""
     B, T, H, K = 2, 70, 2, 16
     inputs, h0 = kda_inputs(B, T, H, K)
     doc_start = packed(B, T, {0: [30, 66], 1: [41]})
@@ -129,18 +151,20 @@ def test_chunk_kda_equals_the_recurrence_on_packed_rows(with_state):
 
     def run(backend):
         def fn(q, k, v, g, beta, *h):
-            if backend == "reference":
-                return kda_recurrent(q, k, v, g, beta, scale=K ** -0.5, initial_state=h[0] if h else None,
-                                     doc_start=doc_start)
-            return kda(q, k, v, g, beta, scale=K ** -0.5, initial_state=h[0] if h else None, doc_start=doc_start,
-                       backend=backend)
+            h0 = h[0] if h else None
+            if backend == "fla's naive":
+                return naive_per_document(q, k, v, g, beta, K ** -0.5, h0, doc_start)
+            if backend == "recurrent":
+                return kda_recurrent(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, doc_start=doc_start)
+            return kda(q, k, v, g, beta, scale=K ** -0.5, initial_state=h0, doc_start=doc_start, backend=backend)
         return grads_of(fn, [*inputs, *extra])
 
-    (o_ref, s_ref), g_ref = run("reference")
     (o, s), g = run("fla")
-    assert rel(o_ref, o) < 1e-5 and rel(s_ref, s) < 1e-5
-    for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_ref, g):
-        assert rel(a, b) < 1e-5, name
+    for reference in ("fla's naive", "recurrent"):  # an independent implementation, and openk3's token loop
+        (o_ref, s_ref), g_ref = run(reference)
+        assert rel(o_ref, o) < 1e-5 and rel(s_ref, s) < 1e-5, reference
+        for name, a, b in zip(["q", "k", "v", "g", "beta", "h0"], g_ref, g):
+            assert rel(a, b) < 1e-5, (reference, name)
 
 
 def within_float32(name: str, exact: torch.Tensor, twin: torch.Tensor, fla: torch.Tensor) -> None:
@@ -231,3 +255,34 @@ def test_nano_model_fla_equals_chunked():
     assert fla.keys() == exact.keys() and len(fla) > 50
     for name in exact:
         within_float32(name, exact[name], twin[name], fla[name])
+
+
+@pytest.mark.triton
+@interpreted
+def test_nano_decode_steps_fla_equal_chunked(monkeypatch):
+    """Prefill (fla's conv and chunk_kda) and three decode steps (fla's fused_recurrent_kda) of the nano model
+    against the PyTorch path: the logits of every step (which carry the KDA states forward)."""
+    from openk3 import config as presets
+    from openk3.model.model import K3ForCausalLM
+
+    calls = []
+    step = fla_kernels.recurrent_step_
+    monkeypatch.setattr(fla_kernels, "recurrent_step_", lambda *a, **k: calls.append(1) or step(*a, **k))
+
+    model = K3ForCausalLM.build(presets.nano(), seed=0).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(2))
+
+    def run(backend):
+        model.set_kda_backend(backend)
+        with torch.no_grad():
+            cache = model.new_cache()
+            logits = [model(ids[:, :20], cache=cache)[:, -1]]
+            logits += [model(ids[:, t:t + 1], cache=cache)[:, -1] for t in range(20, 23)]
+        return torch.stack(logits, 1)
+
+    ref = run("chunked")
+    assert not calls
+    got = run("fla")
+    assert len(calls) == 3 * 6  # three decode steps x six KDA layers
+    for t in range(ref.shape[1]):
+        assert rel(ref[:, t], got[:, t]) < 1e-5, t

@@ -74,8 +74,9 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class KimiDeltaAttention(nn.Module):
-    # Training and prefill kernels (`openk3.ops.fla_kernels`): "auto" | "fla" | "chunked", None reads
-    # OPENK3_KDA_BACKEND. Set per layer by `K3ForCausalLM.set_kda_backend`; decode steps are the same either way.
+    # Kernels (`openk3.ops.fla_kernels`): "auto" | "fla" | "chunked", None reads OPENK3_KDA_BACKEND. Set per
+    # layer by `K3ForCausalLM.set_kda_backend`. With fla: training and prefill as in `_forward_fla`, and the decode
+    # step's delta rule through fla's `fused_recurrent_kda` (its projections and conv stay PyTorch's).
     backend: str | None = None
 
     def __init__(self, cfg: K3Config) -> None:
@@ -240,7 +241,12 @@ class KimiDeltaAttention(nn.Module):
         beta_BH = torch.sigmoid(upcast(ys[4]))
         gate = ys[5] if full_rank else self.g_b_proj(ys[5])
         with fp32_island(x_B1D):
-            o_BHV = kda_ops.kda_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5, state=state.recurrent)
+            if fla_kernels.use_fla(self.backend, x_B1D) and not torch.compiler.is_compiling():
+                o_BHV = fla_kernels.recurrent_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5,
+                                                    state_BHKV=state.recurrent)
+            else:
+                o_BHV = kda_ops.kda_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, scale=K ** -0.5,
+                                          state=state.recurrent)
         o_BHV = upcast(o_BHV.to(act_dtype))
         o_BHV = o_BHV * torch.rsqrt(o_BHV.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
         o_BHV = o_BHV * torch.sigmoid(upcast(gate).view(B, H, K))

@@ -49,7 +49,7 @@ def _import_fla(cpu: bool) -> types.SimpleNamespace | None:
         from fla.modules.causal_conv1d.ops import causal_conv1d
         from fla.modules.norm import l2norm
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.ops.kda import chunk_kda
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
     except ImportError:
         return None
     if cpu:
@@ -61,7 +61,8 @@ def _import_fla(cpu: bool) -> types.SimpleNamespace | None:
         if not isinstance(kernel, interpreter.InterpretedFunction):
             raise ValueError("backend='fla' on the CPU: fla was imported before TRITON_INTERPRET=1 was set, so its "
                              "kernels were compiled for a GPU; set the variable before anything imports fla")
-    return types.SimpleNamespace(chunk_kda=chunk_kda, causal_conv1d=causal_conv1d, rms_norm_gated=rms_norm_gated)
+    return types.SimpleNamespace(chunk_kda=chunk_kda, fused_recurrent_kda=fused_recurrent_kda,
+                                 causal_conv1d=causal_conv1d, rms_norm_gated=rms_norm_gated)
 
 
 def fla_ops(x: torch.Tensor) -> types.SimpleNamespace | None:
@@ -154,6 +155,17 @@ def chunk_kda(q, k, v, g, beta, *, scale: float, initial_state=None, doc_start=N
                              output_final_state=True, use_qk_l2norm_in_kernel=l2norm,
                              cu_seqlens=pack.cu_seqlens_cpu.to(q.device), cu_seqlens_cpu=pack.cu_seqlens_cpu, **extra)
     return o.reshape(B, T, *o.shape[2:]), pack.gather_last(final)
+
+
+def recurrent_step_(q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, *, scale: float, state_BHKV: torch.Tensor) -> torch.Tensor:
+    """One decode token through fla's `fused_recurrent_kda`, as `openk3.ops.kda.kda_step_`: q, k already
+    L2-normalised, g the log decay; updates `state_BHKV` (float32 [B, H, K, V]) in place, returns o [B, H, V] in
+    v's dtype."""
+    ops = fla_ops(q_BHK)
+    o, final = ops.fused_recurrent_kda(*(x[:, None] for x in (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH)), scale=scale,
+                                       initial_state=state_BHKV.float(), output_final_state=True)
+    state_BHKV.copy_(final)
+    return o[:, 0].to(v_BHV.dtype)
 
 
 def short_conv(x_BTP: torch.Tensor, weight_P1J: torch.Tensor, history_BWP: torch.Tensor | None,
