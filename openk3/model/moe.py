@@ -180,7 +180,7 @@ class SparseMoE(nn.Module):
                 E, I, C = ex.w1.shape
                 fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
                 if torch.compiler.is_compiling():
-                    grad = torch.is_grad_enabled() and (z_NC.requires_grad or ex.w1.requires_grad)
+                    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z_NC, w_NK, ex.w1, ex.w3, ex.w2))
                     impl = compiled_impl(B * T, self.top_k, E, I, C, fused=fused, grad=grad)
                 elif fused and B * T * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
                     impl = "fused"
