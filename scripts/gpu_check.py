@@ -88,7 +88,7 @@ def plan(args: argparse.Namespace, device_name: str | None = None) -> list[dict]
     commands = {
         "environment": ([py, "-c", ENV_CODE], 0.05, None),
         "tests": ([py, "-m", "pytest", "-p", "no:cacheprovider", "-m", "gpu", str(ROOT / "tests" / "test_gpu.py"),
-                   "-q", f"--junitxml={out / 'tests.xml'}"], 0.45, None),
+                   "-q", f"--junitxml={out / 'tests.xml'}"], 0.45, out / "tests.xml"),
         "bench_train": (train, 0.3, out / "bench_train.json"),
         "bench_decode": ([py, str(Path(__file__).resolve()), "--decode-worker", "--json",
                           str(out / "bench_decode.json")], 0.2, out / "bench_decode.json"),
@@ -98,7 +98,16 @@ def plan(args: argparse.Namespace, device_name: str | None = None) -> list[dict]
             for name in STEPS if name == "environment" or name in args.steps]
 
 
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # a step killed mid-write leaves no usable result, not a crash
+        return None
+
+
 def run_step(step: dict, deadline: float) -> dict:
+    if step["result_file"]:  # a result from an earlier run in the same folder must not pass for this run's
+        Path(step["result_file"]).unlink(missing_ok=True)
     timeout = max(1.0, min(step["timeout_s"], deadline - time.monotonic()))
     t0 = time.monotonic()
     record = {k: step[k] for k in ("name", "command", "timeout_s")}
@@ -115,9 +124,14 @@ def run_step(step: dict, deadline: float) -> dict:
         stdout = ""
     record["seconds"] = round(time.monotonic() - t0, 2)
     if step["name"] == "environment" and record["status"] == "ok":
-        record["result"] = json.loads(stdout.strip().splitlines()[-1])
-    elif step["result_file"] and Path(step["result_file"]).exists():
-        record["result"] = json.loads(Path(step["result_file"]).read_text())
+        try:
+            record["result"] = json.loads(stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            record["status"] = "failed"
+    elif step["result_file"] and step["name"] == "tests":
+        record["result"] = junit_counts(Path(step["result_file"]))
+    elif step["result_file"]:
+        record["result"] = _read_json(Path(step["result_file"]))
     return record
 
 
@@ -125,7 +139,10 @@ def junit_counts(path: Path) -> dict | None:
     """{"passed", "failed", "errors", "skipped"} from pytest's JUnit XML, or None when there is none."""
     if not path.exists():
         return None
-    suite = ET.parse(path).getroot()
+    try:
+        suite = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     total, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
     return {"passed": total - failed - errors - skipped, "failed": failed, "errors": errors, "skipped": skipped}
@@ -201,8 +218,6 @@ def main(argv: list[str] | None = None) -> int:
     steps = [env]
     for step in plan(args, device.get("name"))[1:]:
         record = run_step(step, deadline)
-        if step["name"] == "tests":
-            record["result"] = junit_counts(out / "tests.xml")
         steps.append(record)
         print(f"{record['name']:13s} {record['status']:8s} {record['seconds']:7.1f} s", flush=True)
         write_summary(out, summary(args, device, steps, started))  # after every step: a killed run keeps its news

@@ -111,6 +111,17 @@ def test_fla_on_cpu_without_the_interpreter_is_a_clear_error():
     assert "ERR" in out.stdout and "TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_layer_set_to_chunked_ignores_the_environment(monkeypatch):
+    """A layer's own backend wins over OPENK3_KDA_BACKEND, down to the delta rule (no interpreter needed)."""
+    from openk3 import config as presets
+    from openk3.model.model import K3ForCausalLM
+
+    monkeypatch.setenv(fla_kernels.ENV, "fla")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # fla on these CPU tensors would be a ValueError
+    model = K3ForCausalLM.build(presets.nano(), seed=0, kda_backend="chunked")
+    model(torch.zeros(1, 5, dtype=torch.long)).sum().backward()  # no fla, no "TRITON_INTERPRET" error
+
+
 def test_packing_maps_row_states_to_documents():
     """Row states go to each row's first document unless the row opens with a document start; final states come
     back from each row's last document."""
@@ -195,12 +206,14 @@ def run_layer(layer, backend, dtype, x, seg, state0):
     return {"out": out, "recurrent": new.recurrent, "conv": new.conv, **grads}
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None], ids=["k3_bounded_gate", "kimi_linear_gate"])
+@pytest.mark.parametrize("lower_bound", [-5.0, None, -8.0],
+                         ids=["k3_bounded_gate", "kimi_linear_gate", "bound_beyond_safe_gate"])
 @pytest.mark.triton
 @interpreted
 def test_kda_layer_fla_equals_chunked(lower_bound):
     """One KDA layer (nano's widths) with fla's conv, in-kernel gate and L2 norm, and gated norm, against the
-    PyTorch path: packed documents, a carried decode state (conv history and recurrent state), every gradient."""
+    PyTorch path: packed documents, a carried decode state (conv history and recurrent state), every gradient.
+    A lower bound below fla's safe-gate range (-5) hands fla the decay computed outside the kernel."""
     from openk3 import config as presets
     from openk3.model.kda import KimiDeltaAttention
 

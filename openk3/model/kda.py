@@ -188,17 +188,21 @@ class KimiDeltaAttention(nn.Module):
         q_BTP, hq = fla_kernels.short_conv(self.q_proj(x_BTD), self.q_conv1d.weight, hist[0], doc_start_BT)
         k_BTP, hk = fla_kernels.short_conv(self.k_proj(x_BTD), self.k_conv1d.weight, hist[1], doc_start_BT)
         v_BTP, hv = fla_kernels.short_conv(self.v_proj(x_BTD), self.v_conv1d.weight, hist[2], doc_start_BT)
-        z_BTHK = upcast(self.f_b_proj(self.f_a_proj(x_BTD))).view(B, T, H, K)
         beta_BTH = torch.sigmoid(upcast(self.b_proj(x_BTD)))
-        gate = {"A_log": upcast(self.A_log[:H]), "dt_bias": upcast(self.dt_bias), "lower_bound": self.lower_bound}
+        out_gate_BTHK = upcast(self._output_gate(x_BTD)).view(B, T, H, K)  # (in the activation dtype, as chunked)
+        if self.lower_bound is None or -5.0 <= self.lower_bound < 0:
+            # the decay inside the kernel: fla's safe gate takes bounds in [-5, 0) only
+            g_BTHK = upcast(self.f_b_proj(self.f_a_proj(x_BTD))).view(B, T, H, K)
+            gate = {"A_log": upcast(self.A_log[:H]), "dt_bias": upcast(self.dt_bias), "lower_bound": self.lower_bound}
+        else:
+            g_BTHK, gate = self.decay(x_BTD), None
         s0 = state.recurrent if state is not None else None
         with fp32_island(x_BTD):
             # q, k, v go in as the conv rounded them (bf16 in a bf16 model), as the release hands them to fla
             o_BTHK, s1 = fla_kernels.chunk_kda(q_BTP.view(B, T, H, K), k_BTP.view(B, T, H, K),
-                                               v_BTP.view(B, T, H, K), z_BTHK, beta_BTH, scale=K ** -0.5,
+                                               v_BTP.view(B, T, H, K), g_BTHK, beta_BTH, scale=K ** -0.5,
                                                initial_state=s0, doc_start=doc_start_BT, gate=gate, l2norm=True)
-            o_BTHK = fla_kernels.gated_rms_norm(upcast(o_BTHK.to(v_BTP.dtype)),
-                                                upcast(self._output_gate(x_BTD)).view(B, T, H, K),
+            o_BTHK = fla_kernels.gated_rms_norm(upcast(o_BTHK.to(v_BTP.dtype)), out_gate_BTHK,
                                                 upcast(self.o_norm.weight), self.eps)
         out_BTD = self.o_proj(o_BTHK.reshape(B, T, P).to(x_BTD.dtype))
         new_state = None
@@ -260,6 +264,7 @@ class KimiDeltaAttention(nn.Module):
                                          scale=scale, state=s0)
             o_BTHK = o_BHK[:, None]
         else:
+            # (this is the PyTorch path: `forward` took fla's when the backend asked for it)
             o_BTHK, s1 = kda_ops.kda(q_BTHK, k_BTHK, v_BTHK, g_BTHK, beta_BTH, scale=scale, initial_state=s0,
-                                     doc_start=doc_start_BT)
+                                     doc_start=doc_start_BT, backend="chunked")
         return o_BTHK, s1

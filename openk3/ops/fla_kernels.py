@@ -41,16 +41,20 @@ def check_backend(backend: str | None, where: str = "backend") -> str:
     return backend
 
 
+_IMPORT_ERROR: list[str] = []  # why fla could not be imported (for backend="fla"'s error)
+
+
 @functools.cache
 def _import_fla(cpu: bool) -> types.SimpleNamespace | None:
+    if cpu:
+        patch_interpreter()  # before fla's kernels are decorated (a ValueError names what is missing)
     try:
-        if cpu:
-            patch_interpreter()  # before fla's kernels are decorated
         from fla.modules.causal_conv1d.ops import causal_conv1d
         from fla.modules.norm import l2norm
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.ops.kda import chunk_kda, fused_recurrent_kda
-    except ImportError:
+    except Exception as e:  # ImportError, or whatever a broken fla / triton install raises: "auto" falls back
+        _IMPORT_ERROR.append(f"{type(e).__name__}: {e}")
         return None
     if cpu:
         import triton.runtime.interpreter as interpreter
@@ -84,8 +88,9 @@ def use_fla(backend: str | None, x: torch.Tensor) -> bool:
                          "set TRITON_INTERPRET=1 before fla is imported (a checking tool, ~1-20 s a call), "
                          "or use backend='chunked'")
     if fla_ops(x) is None:
-        raise ValueError("backend='fla': fla is not importable (pip install 'openk3[gpu]', i.e. fla-core, and "
-                         "triton)")
+        why = _IMPORT_ERROR[-1] if _IMPORT_ERROR else "unknown"
+        raise ValueError(f"backend='fla': fla is not importable ({why}); pip install 'openk3[gpu]' (fla-core) "
+                         "beside a torch with triton")
     return True
 
 
@@ -180,7 +185,8 @@ def short_conv(x_BTP: torch.Tensor, weight_P1J: torch.Tensor, history_BWP: torch
     if history_BWP is not None:
         window = pack.spread(torch.cat([history_BWP.new_zeros(B, 1, P), history_BWP], 1).transpose(1, 2), x_BTP.dtype)
         window = window.contiguous()
-    y, final = ops.causal_conv1d(_flat(x_BTP), weight_P1J[:, 0, :].to(x_BTP.dtype), initial_state=window,
+    # (the taps stay float32, as fla's ShortConvolution passes them: the kernel computes in float32)
+    y, final = ops.causal_conv1d(_flat(x_BTP), weight_P1J[:, 0, :], initial_state=window,
                                  output_final_state=True, activation="silu",
                                  cu_seqlens=pack.cu_seqlens_cpu.to(x_BTP.device), cu_seqlens_cpu=pack.cu_seqlens_cpu)
     return y.reshape(B, T, P), pack.gather_last(final)[:, :, 1:].transpose(1, 2).to(x_BTP.dtype)

@@ -44,7 +44,7 @@ def interpreting() -> bool:
 
 @functools.cache
 def patch() -> None:
-    """Apply the three interpreter patches (idempotent). ValueError when triton is missing or untested."""
+    """Apply the four interpreter patches (idempotent). ValueError when triton is missing or untested."""
     if not interpreting():
         raise ValueError("openk3.ops.triton_interpreter.patch: TRITON_INTERPRET=1 must be set (before fla or "
                          "triton's kernels are imported) to run Triton kernels on the CPU")
