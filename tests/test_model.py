@@ -483,3 +483,18 @@ def test_packing_under_inference_mode_leaves_the_model_trainable():
     assert not kda.q_proj.weight.is_inference()
     model(ids).float().pow(2).mean().backward()
     assert kda.q_proj.weight.grad is not None
+
+
+def test_packing_leaves_a_chosen_weight_layout_alone():
+    """A compiled decode graph stores Linear weights column-major and skips guards on them; an eager decode of the
+    same model must neither move them back into a row-major packed buffer nor compute anything else."""
+    from openk3.infer.graph import column_major_linears_
+
+    model = K3ForCausalLM.build(nano(), dtype=torch.float64, seed=3).eval()
+    ids = _ids(2, 10, seed=7)
+    want = _decode_logits(model, ids)  # packs
+    assert column_major_linears_(model) > 0
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    strides = kda.q_proj.weight.stride()
+    assert torch.allclose(_decode_logits(model, ids), want, rtol=1e-10, atol=1e-12)  # (other matmul order)
+    assert kda.q_proj.weight.stride() == strides and not kda.q_proj.weight.is_contiguous()

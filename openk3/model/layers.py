@@ -36,7 +36,7 @@ def packed_weight(owner: nn.Module, key: str, params: list[torch.Tensor]) -> tor
     counter sees those), is a write to the buffer. When a parameter no longer lives in the buffer (a load, a cast,
     `.to`), they are packed again. None when the parameters exceed `FUSE_MAX_BYTES` (one big matmul per part
     costs nothing extra at that size), under torch.compile (a compiled step removes the per-op overhead anyway),
-    or for parameters that are not plain tensors (FSDP's DTensors).
+    for parameters that are not plain tensors (FSDP's DTensors) or not row-major (a layout chosen elsewhere).
 
     Small-batch decode is bound by per-op overhead, so one matmul over the packed weight replaces several; the
     result is the same as the separate matmuls (tests compare decode with forward).
@@ -50,6 +50,12 @@ def packed_weight(owner: nn.Module, key: str, params: list[torch.Tensor]) -> tor
     buffer = cache.get(key)
     if buffer is not None and _lives_in(params, buffer):
         return buffer
+    if not all(p.is_contiguous() for p in params):
+        # A layout someone chose (`infer.graph.column_major_linears_` for a compiled decode graph, which skips its
+        # guards on the model's parameters and so must never see their strides change): left alone, and the
+        # caller runs the separate matmuls.
+        cache.pop(key, None)
+        return None
     # (a normal tensor even when decode runs under inference_mode: the parameters live in it and train afterwards,
     # and autograd cannot save inference tensors; RL generates and trains the same model in turn)
     with torch.inference_mode(False), torch.no_grad():
