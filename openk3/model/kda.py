@@ -164,16 +164,13 @@ class KimiDeltaAttention(nn.Module):
         # under autocast), then the per-head RMSNorm and the sigmoid output gate run in fp32 (FusedRMSNormGated).
         o_BTHK = upcast(o_BTHK.to(v_BTP.dtype))
         o_BTHK = o_BTHK * torch.rsqrt(o_BTHK.pow(2).mean(-1, keepdim=True) + self.eps) * upcast(self.o_norm.weight)
-        if hasattr(self, "g_proj"):
-            gate = self.g_proj(x_BTD)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x_BTD))
-        o_BTHK = o_BTHK * torch.sigmoid(upcast(gate).view(B, T, H, K))
+        o_BTHK = o_BTHK * torch.sigmoid(upcast(self._output_gate(x_BTD)).view(B, T, H, K))
         out_BTD = self.o_proj(o_BTHK.reshape(B, T, H * K).to(x_BTD.dtype))
         new_state = KDAState(torch.cat([hq, hk, hv], dim=-1), s1) if state is not None else None
         return out_BTD, new_state
 
     def _output_gate(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        """The output gate's pre-activation [..., P]: one full-rank `g_proj`, or the low-rank pair."""
         return self.g_proj(x_BTD) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x_BTD))
 
     def _forward_fla(self, x_BTD: torch.Tensor, doc_start_BT: torch.Tensor | None,

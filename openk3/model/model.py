@@ -199,8 +199,9 @@ class K3ForCausalLM(nn.Module):
         return model.cast(dtype)
 
     def set_kda_backend(self, backend: str | None) -> "K3ForCausalLM":
-        """The training / prefill kernels of every KDA layer (`openk3.ops.fla_kernels`): "auto" (fla on CUDA when
-        it imports), "fla", "chunked", or None to follow OPENK3_KDA_BACKEND at each call. Returns self."""
+        """The kernels of every KDA layer (`openk3.ops.fla_kernels`: training, prefill and the decode step's delta
+        rule): "auto" (fla on CUDA when it imports), "fla", "chunked", or None to follow OPENK3_KDA_BACKEND at each
+        call. Returns self."""
         if backend is not None:
             check_backend(backend, "kda_backend")
         for module in self.modules():

@@ -97,7 +97,7 @@ class Trainer:
         if cfg.grad_accum > 1 and self.aux_loss_coef > 0:
             raise ValueError("aux_loss_coef > 0 with grad_accum > 1 is not implemented yet; use grad_accum=1")
         self.device = torch.device(device)
-        self.forward = self._compiled(model, cfg) if getattr(cfg, "compile", False) else model
+        self.forward = self._compiled(model, cfg) if cfg.compile else model
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
