@@ -394,3 +394,47 @@ def test_mxfp4_fast_path_only_takes_inputs_as_they_are():
     }
     for name, args in variants.items():
         assert not ready(*args), name
+
+
+def _scattered_table(bufs, E):
+    """Each expert's six tensors copied to its own places in one big buffer, in a shuffled order and at odd (but
+    row-aligned) offsets, as a streamed cache holds them; returns (keep-alive storage, table [E, 6])."""
+    gen = torch.Generator().manual_seed(5)
+    per = [[b[e].contiguous() for b in bufs] for e in range(E)]
+    sizes = [t.numel() for row in per for t in row]
+    store = torch.zeros(sum(sizes) + 97 * len(sizes), dtype=torch.uint8)
+    table = torch.zeros(E, 6, dtype=torch.int64)
+    pos = 0
+    for flat in torch.randperm(E * 6, generator=gen).tolist():
+        e, k = divmod(flat, 6)
+        t = per[e][k].reshape(-1)
+        pos += int(torch.randint(0, 97, (1,), generator=gen))
+        store[pos:pos + t.numel()] = t
+        table[e, k] = store.data_ptr() + pos
+        pos += t.numel()
+    return store, table
+
+
+@needs_cc
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("case,C,I", SHAPES)
+def test_mxfp4_table_form_is_bitwise_the_stacked_form(kernel, case, C, I, dtype):
+    """Experts found through a table of addresses (streamed experts), computed in one call or in ascending ranges
+    that accumulate, equal the stacked-buffer call bit for bit; a routed expert without a table row is refused."""
+    x, weights, idx, bufs, _ = _packed_inputs(case, C, I, dtype)
+    order = bufs  # gate, up, down codes and scales: the kernel's order
+    E = bufs[0].shape[0]
+    ref = moe_mxfp4_cpu.experts_mxfp4(x, weights, idx, *order, "situ", 4.0, 25.0)
+    store, table = _scattered_table(order, E)
+    one = moe_mxfp4_cpu.experts_mxfp4_table(x, weights, idx, table, I, "situ", 4.0, 25.0, 0, E)
+    assert torch.equal(one, ref)
+    cuts = sorted({0, E, *torch.randint(0, E + 1, (3,), generator=torch.Generator().manual_seed(1)).tolist()})
+    out = None
+    for lo, hi in zip(cuts, cuts[1:]):
+        out = moe_mxfp4_cpu.experts_mxfp4_table(x, weights, idx, table, I, "situ", 4.0, 25.0, lo, hi, out)
+    assert torch.equal(out, ref)
+    used = int(idx.reshape(-1)[0])
+    table[used] = 0
+    with pytest.raises(RuntimeError, match="no table row"):
+        moe_mxfp4_cpu.experts_mxfp4_table(x, weights, idx, table, I, "situ", 4.0, 25.0, 0, E)
+    del store

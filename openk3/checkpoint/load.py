@@ -124,7 +124,9 @@ def inventory(path, *, keep_handles: bool = False) -> tuple[Inventory, dict]:
 
 
 def load(path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", *,
-         keep_packed: bool = False):
+         keep_packed: bool = False, experts: str = "memory", expert_cache: int | str | None = None,
+         io_threads: int = 4, direct_io: bool | None = None, trunk: str = "bf16",
+         trunk_promote: tuple[str, ...] | None = None):
     """Build the model of a checkpoint folder and fill it tensor by tensor from its safetensors files.
 
     Args:
@@ -137,6 +139,15 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
         device: where the tensors go (each is moved as it is read; peak host memory ~ one model).
         keep_packed: MXFP4 experts stay packed (`openk3.model.packed_experts.PackedExperts`, 4.25 bits/weight) instead
             of being unpacked (exactly) to `dtype`. No effect on a checkpoint with float experts.
+        experts: "memory" (default) or "stream": the routed experts (MXFP4 checkpoints only; CPU) stay on disk
+            and are read as layers need them into a per-layer cache of `expert_cache` bytes ("22GB", "1.5GiB",
+            an int; default half the available memory, at most every expert), by `io_threads` threads, O_DIRECT
+            where the filesystem allows (`direct_io` None) or as forced (True / False). Results are bit for bit
+            those of `keep_packed=True` (`openk3.stream`; counters: `openk3.stream.stats(model)`).
+        trunk: "bf16" (default: the trunk's linears as loaded, in `dtype`), "int8" or "int4": weight-only integer
+            linears (`openk3.quant.trunk`), each quantised as its weight is read, so the float trunk is never
+            whole in memory; `trunk_promote` names the groups int4 keeps at int8 (default
+            `openk3.quant.trunk.DEFAULT_PROMOTE`). CPU; activations stay in `dtype`.
 
     The model gets `loaded_format` (`LoadedFormat`: the experts format and MXFP4 `quantization_config`
     of the files), which `openk3.save` follows by default.
@@ -150,17 +161,42 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
     dtype = resolve_dtype(dtype)
     if dtype is not None and dtype not in LOAD_DTYPES:
         raise ValueError(f"dtype must be None or one of {LOAD_DTYPES}, got {dtype!r}")
+    if experts not in ("memory", "stream"):
+        raise ValueError(f"experts must be 'memory' or 'stream', got {experts!r}")
+    stream = experts == "stream"
+    if stream and torch.device(device).type != "cpu":
+        raise ValueError(f"experts='stream' computes the routed experts on the CPU; device must be cpu, got {device}")
+    if not stream and (expert_cache is not None or direct_io is not None):
+        raise ValueError("expert_cache and direct_io apply to experts='stream'")
+    from openk3.quant.trunk import DEFAULT_PROMOTE, GROUPS, TRUNK_FORMATS
+
+    if trunk not in TRUNK_FORMATS:
+        raise ValueError(f"trunk must be one of {TRUNK_FORMATS}, got {trunk!r}")
+    promote = DEFAULT_PROMOTE if trunk_promote is None else tuple(trunk_promote)
+    if any(g not in GROUPS for g in promote):
+        raise ValueError(f"trunk_promote: unknown group(s) {[g for g in promote if g not in GROUPS]}; groups: "
+                         f"{', '.join(GROUPS)}")
+    if trunk != "bf16" and torch.device(device).type != "cpu":
+        raise ValueError(f"trunk={trunk!r} runs torch's CPU integer matmuls; device must be cpu, got {device}")
     inv, handles = inventory(path, keep_handles=True)
     folder, cfg, fmt, prefix, wm, src = inv.folder, inv.cfg, inv.experts_format, inv.prefix, inv.weight_map, inv.src
+    cache = None
     try:
         loaded = LoadedFormat(fmt, copy.deepcopy(cfg.extra.get("quantization_config")) if fmt == "mxfp4" else None)
-        packed_in_memory = fmt == "mxfp4" and keep_packed
-        if fmt == "mxfp4" and not keep_packed:  # the model in memory is not quantised: no stale metadata
+        if stream:  # before any tensor data is read: a bad index, shard or cache size fails fast
+            from openk3.stream import attach
+
+            cache = attach(inv.model, inv, expert_cache, io_threads=io_threads, direct=direct_io)
+        packed_in_memory = fmt == "mxfp4" and keep_packed and not stream
+        if fmt == "mxfp4" and not keep_packed and not stream:  # the model in memory is not quantised: no stale metadata
             cfg.extra.pop("quantization_config", None)
             cfg.extra.get("_wrapper", {}).pop("quantization_config", None)
         model, entries = inv.model, inv.entries
-        trunk = dtype or TORCH_DTYPES[inv.headers[src[prefix + "model.embed_tokens.weight"]][0]]
-        filler = _Filler(model, cfg, trunk, resolve_device(device), packed_in_memory, files.reads_owned_tensors())
+        trunk_dtype = dtype or TORCH_DTYPES[inv.headers[src[prefix + "model.embed_tokens.weight"]][0]]
+        filler = _Filler(model, cfg, trunk_dtype, resolve_device(device), packed_in_memory, files.reads_owned_tensors(),
+                         (trunk, promote))
+        if stream:
+            entries = [e for e in entries if e.kind not in ("packed", "scale")]
         last = {wm[src[prefix + e.name]]: i for i, e in enumerate(entries)}
         for i, e in enumerate(entries):
             name = src[prefix + e.name]
@@ -172,12 +208,18 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
             filler.put(e, t, name, folder / file)
             if last[file] == i:  # done with this shard: release it (and its mapping, without pread)
                 handles.pop(file).__exit__(None, None, None)
+    except BaseException:
+        if cache is not None:
+            cache.close()
+        raise
     finally:
         files.close(handles)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:  # pragma: no cover - the layout covers every tensor of the model
         raise RuntimeError(f"openk3 bug: tensors left unloaded: {left[:10]}")
     model.loaded_format = loaded
+    if trunk != "bf16":
+        model.__dict__["trunk_format"] = trunk
     return model
 
 
@@ -249,8 +291,9 @@ class _Filler:
     """Converts file tensors and assigns them into the meta model; stacks experts layer by layer."""
 
     def __init__(self, model: nn.Module, cfg: K3Config, trunk: torch.dtype, device: torch.device,
-                 packed_in_memory: bool, owned: bool) -> None:
+                 packed_in_memory: bool, owned: bool, quant: tuple[str, tuple[str, ...]] = ("bf16", ())) -> None:
         self.model, self.cfg, self.trunk, self.device = model, cfg, trunk, device
+        self.quant = quant  # (trunk format, groups promoted to int8): linears quantised as their weight arrives
         self.copy = not owned  # tensors that view a file mapping must be copied out of it
         self.packed_in_memory = packed_in_memory
         self.stacks: dict[str, list] = {}  # param (or param_packed/_scale) -> [tensor, experts still to fill]
@@ -332,6 +375,10 @@ class _Filler:
             mod._parameters[leaf] = nn.Parameter(t, requires_grad=mod._parameters[leaf].requires_grad)
         else:
             mod._buffers[leaf] = t
+        if self.quant[0] != "bf16" and leaf == "weight" and type(mod) is nn.Linear:
+            from openk3.quant.trunk import replace_linear_
+
+            replace_linear_(self.model, mod_name, self.quant[0], self.quant[1])
 
 
 _FINITE_CHUNK = 1 << 24  # elements checked at a time: bounds the temporary mask to 16 MB

@@ -176,7 +176,7 @@ def _note(text: str) -> None:
 def main(args: argparse.Namespace) -> int:
     import time
 
-    from openk3.commands.generate import build_llm, sampling_params
+    from openk3.commands.generate import build_llm, print_stream_stats, sampling_params
 
     if args.sandbox and args.tools:
         raise ValueError("--tools and --sandbox do not mix: --sandbox declares the agent's own tools")
@@ -280,6 +280,7 @@ def main(args: argparse.Namespace) -> int:
             codes = ", ".join(sorted({p["code"] for p in result.problems})) or "none"
             _note(f"[{len(result.prompt_token_ids)} prompt + {n} generated tokens in {dt:.2f} s "
                   f"({n / max(dt, 1e-9):.1f} tok/s); finish: {result.finish_reason}; parser problems: {codes}]")
+        print_stream_stats(args, llm)
     return 0
 
 

@@ -39,6 +39,49 @@ def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:
                         "cached on disk for later runs), then about 2-4x fewer ms/token (docs/benchmarks.md)")
     p.add_argument("--keep-packed", action="store_true",
                    help="keep MXFP4 experts packed in memory (4.25 bits/weight; decode reads them directly)")
+    add_stream_arguments(p)
+
+
+def add_stream_arguments(p: argparse.ArgumentParser, stats: bool = True) -> None:
+    """--experts, --expert-cache, --io-threads, --io and (`stats`) --stats (shared with `openk3 chat` and
+    `openk3 serve`)."""
+    g = p.add_argument_group("streamed experts (a checkpoint larger than memory, e.g. the release)")
+    g.add_argument("--experts", default="memory", choices=("memory", "stream"),
+                   help="stream: leave the MXFP4 routed experts on disk and read those a layer needs into a "
+                        "per-layer cache (CPU; the same tokens as --keep-packed; docs/inference.md)")
+    g.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="bytes of that cache, e.g. 22GB or 1.5GiB (default: half the available memory, at most "
+                        "every expert)")
+    g.add_argument("--io-threads", type=positive_int, default=4, metavar="N",
+                   help="reads in flight (default 4; 2-4 fill one NVMe drive)")
+    g.add_argument("--trunk", default="bf16", choices=("bf16", "int8", "int4"),
+                   help="the non-routed linears: as stored (bf16, default), or weight-only int8 / int4 quantised while "
+                        "loading (CPU; docs/inference.md measures their quality)")
+    g.add_argument("--io", default="auto", choices=("auto", "direct", "buffered"),
+                   help="O_DIRECT reads (auto: where the filesystem allows them; default auto)")
+    if stats:
+        g.add_argument("--stats", action="store_true",
+                       help="print the expert cache's counters (requests, reads, bytes, hit rate, stall) at the end")
+
+
+def stream_kwargs(args: argparse.Namespace) -> dict:
+    """LLM keyword arguments from `add_stream_arguments`' flags (ValueError for stream flags without --experts
+    stream)."""
+    trunk = {} if args.trunk == "bf16" else {"trunk": args.trunk}
+    if args.experts != "stream":
+        if args.expert_cache is not None or args.io != "auto":
+            raise ValueError("--expert-cache and --io apply to --experts stream")
+        return trunk
+    return {"experts": "stream", "expert_cache": args.expert_cache, "io_threads": args.io_threads,
+            "direct_io": {"auto": None, "direct": True, "buffered": False}[args.io], **trunk}
+
+
+def format_stream_stats(st: dict) -> str:
+    """One line of `openk3.stream.stats` for --stats."""
+    return (f"[experts] {st['requests']} requests, {st['reads']} reads ({st['bytes_read'] / 1e9:.3f} GB), hit rate "
+            f"{st['hit_rate']:.3f}, stalled {st['stall_seconds']:.2f} s, reading {st['read_seconds']:.2f} s "
+            f"(summed over {st['io_threads']} threads, {'direct' if st['direct_io'] else 'buffered'} I/O); cache "
+            f"{st['slots']} experts ({st['cache_bytes'] / 1e9:.2f} GB)")
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -83,7 +126,16 @@ def build_llm(args: argparse.Namespace):
 
     setup_cpu(args.threads)
     return LLM(args.model, args.tokenizer, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               compile=args.compile, keep_packed=args.keep_packed)
+               compile=args.compile, keep_packed=args.keep_packed, **stream_kwargs(args))
+
+
+def print_stream_stats(args: argparse.Namespace, llm) -> None:
+    """--stats: the expert cache's counters on stderr (nothing for a model without streamed experts)."""
+    from openk3.stream import stats
+
+    st = stats(llm.model) if getattr(args, "stats", False) else None
+    if st is not None:
+        print(format_stream_stats(st), file=sys.stderr)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -158,4 +210,5 @@ def main(args: argparse.Namespace) -> int:
     reasons = ", ".join(sorted({str(o.finish_reason) for o in outs}))
     print(f"[generate] {len(outs)} prompt(s), {n} tokens in {dt:.2f} s ({n / max(dt, 1e-9):.1f} tok/s); "
           f"finish: {reasons}", file=sys.stderr)
+    print_stream_stats(args, llm)
     return 0

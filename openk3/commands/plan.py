@@ -6,6 +6,7 @@
     openk3 plan --audit                            # circulating claims, recomputed
     openk3 plan --audit --evidence runs/exp/k3-vs-k2 runs/exp/attnres   # + the measured multipliers
     openk3 plan --list-hardware                    # the catalogue with its sources
+    openk3 plan --experts-on disk --disk-gbps 7 --ram 64GB   # one machine, experts streamed from NVMe
 
 Imports no torch: the whole plan is arithmetic over the config (see openk3/plan/); matplotlib is imported
 only to draw --plot.
@@ -56,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
     t.add_argument("--train-gpus", type=int, default=None, help="GPUs (default: the fewest that fit)")
     t.add_argument("--micro-batch-tokens", type=int, default=None, help="tokens per GPU per micro-step")
+    d = p.add_argument_group("experts on disk (--experts-on disk: one machine, openk3.stream)")
+    d.add_argument("--experts-on", default="memory", choices=("memory", "disk"),
+                   help="disk: plan one machine that reads the routed experts from NVMe into a per-layer cache")
+    d.add_argument("--disk-gbps", type=float, default=7.0, help="GB/s of expert-sized reads (default 7: PCIe 4 NVMe)")
+    d.add_argument("--ram", default="64GB", help="the machine's RAM (default 64GB)")
+    d.add_argument("--expert-cache", default=None, metavar="SIZE",
+                   help="expert cache (default: the RAM the resident set leaves)")
+    d.add_argument("--hit-rate", type=float, default=None,
+                   help="share of expert requests the cache serves (default: K3's measured curve by slots/layer)")
+    d.add_argument("--host-gbps", type=float, default=60.0, help="DRAM GB/s the CPU reads weights at (default 60)")
+    d.add_argument("--cpu-gflops", type=float, default=1500.0, help="CPU matmul GFLOP/s for prefill (default 1500)")
+    d.add_argument("--gpu", default=None, metavar="HW", help="a GPU of the catalogue holding the trunk (optional)")
     p.add_argument("--audit", action="store_true", help="recompute circulating K3 claims instead of planning")
     p.add_argument("--evidence", nargs="+", default=None, metavar="DIR",
                    help="with --audit: scaling-lab results (result.json or its folder) whose measured compute "
@@ -89,6 +102,8 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--plot {args.plot}: " + ("is a directory" if os.path.isdir(args.plot)
                                                        else f"directory {folder} does not exist"))
     cfg, name = models.resolve(args.preset, args.config, args.overrides)
+    if args.experts_on == "disk":
+        return _disk(args, cfg, name)
     fmts = models.release_formats(args.preset or ("k3" if not args.config else ""))
     for role in ("expert", "trunk", "embedding"):
         if getattr(args, f"{role}_format") is not None:
@@ -109,4 +124,19 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2) if args.json else report.text(result), end="\n" if args.json else "")
     if args.plot and not args.json:
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _disk(args: argparse.Namespace, cfg, name: str) -> int:
+    """--experts-on disk: `openk3.plan.stream`."""
+    from openk3.plan import hardware
+    from openk3.plan.stream import DiskSpec, parse_gb, plan_disk, text
+
+    spec = DiskSpec(disk_gbps=args.disk_gbps, ram_bytes=parse_gb(args.ram, "--ram"),
+                    trunk_format=args.trunk_format or "int4",
+                    cache_bytes=parse_gb(args.expert_cache, "--expert-cache") if args.expert_cache else None,
+                    hit_rate=args.hit_rate, host_gbps=args.host_gbps, cpu_gflops=args.cpu_gflops,
+                    context=args.context, gpu=hardware.get(args.gpu) if args.gpu else None)
+    result = plan_disk(cfg, spec)
+    print(json.dumps(result, indent=2) if args.json else text(result, name), end="\n" if args.json else "")
     return 0

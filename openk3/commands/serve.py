@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from openk3.commands.common import add_dtype_argument
+from openk3.commands.generate import add_stream_arguments, stream_kwargs
 
 log = logging.getLogger("openk3.serve")
 
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="compile the decode step (slow first requests, then fewer ms/token; docs/benchmarks.md)")
     p.add_argument("--keep-packed", action="store_true", help="keep MXFP4 experts packed in memory")
+    add_stream_arguments(p, stats=False)  # the counters are on /metrics (openk3:expert_*)
     # infer.sample.LOGPROBS_MODES, spelled out: parsing the command line imports no torch (create_app checks)
     p.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
                    help="what requested logprobs describe: raw (the model's distribution, as OpenAI reports; "
@@ -129,7 +131,7 @@ def build_server(args: argparse.Namespace):
     # model load and all); the same arguments build it here with --engine-in-thread.
     build = functools.partial(LLM, args.model, args.tokenizer, dtype=args.dtype, device=args.device,
                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              compile=args.compile, keep_packed=args.keep_packed)
+                              compile=args.compile, keep_packed=args.keep_packed, **stream_kwargs(args))
     name = args.served_model_name or Path(args.model).resolve().name
     app = create_app(build, served_model_name=name, api_key=args.api_key, max_queue=args.max_queue,
                      engine_in_thread=args.engine_in_thread, threads=args.threads, logprobs_mode=args.logprobs_mode,

@@ -139,6 +139,10 @@ class DecodeGraph:
                  cpp_wrapper: bool | None = None) -> None:
         self.model = model
         self.compiled = compile
+        if compile and any(hasattr(m, "stream_run") or type(m).__name__ in ("Int8Linear", "Int4Linear")
+                           for m in model.modules()):
+            raise ValueError("a model with streamed experts (experts='stream') or an integer trunk decodes uncompiled: "
+                             "use compile=False")
         if compile and any(hasattr(m, "w1_packed") for m in model.modules()):
             if not moe_mxfp4_cpu.available():  # the packed experts' torch path has data-dependent shapes
                 raise ValueError("compiled decode of MXFP4-packed experts needs the MXFP4 CPU kernel (a C "

@@ -152,12 +152,19 @@ class LLM:
         keep_packed: a checkpoint's MXFP4 experts stay packed in memory (4.25 bits/weight, as the release
             ships them) and decode through the MXFP4 CPU kernel (float32 trunk; other dtypes dequantise each
             touched expert); no effect on float experts.
+        experts, expert_cache, io_threads, direct_io: `experts="stream"` leaves a checkpoint's MXFP4 routed
+            experts on disk and reads them into a per-layer cache of `expert_cache` bytes as layers need them
+            (`openk3.load`; CPU, uncompiled; tokens equal `keep_packed=True`'s bit for bit). Counters:
+            `openk3.stream.stats(llm.model)`.
+        trunk: "bf16" (as loaded), "int8" or "int4": the trunk's linears as weight-only integers, quantised while
+            loading (`openk3.load`; CPU; `openk3.quant.trunk`). A checkpoint path only.
     """
 
     def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
                  prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False,
-                 prefix_cache: int = 0) -> None:
+                 prefix_cache: int = 0, experts: str = "memory", expert_cache: int | str | None = None,
+                 io_threads: int = 4, direct_io: bool | None = None, trunk: str = "bf16") -> None:
         dtype = resolve_dtype(dtype)
         device = resolve_device(device) if device is not None else None
         self.path: Path | None = None
@@ -165,6 +172,11 @@ class LLM:
             if keep_packed:
                 raise ValueError("keep_packed applies to a checkpoint path; pack an in-memory model's experts with "
                                  "openk3.model.packed_experts.pack_model_experts_(model)")
+            if experts != "memory":
+                raise ValueError("experts='stream' applies to a checkpoint path (the experts are read from its files)")
+            if trunk != "bf16":
+                raise ValueError("trunk applies to a checkpoint path; quantise an in-memory model with "
+                                 "openk3.quant.trunk.quantize_trunk_(model, fmt)")
             model = path_or_model
             if dtype is not None:
                 model = model.cast(dtype) if hasattr(model, "cast") else model.to(dtype)
@@ -179,7 +191,14 @@ class LLM:
             device = device or torch.device("cpu")
             dtype, why = compute_dtype(dtype, stored_dtype(self.path), device)
             log.info("%s: %s", self.path, why)
-            model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed)
+            if (experts == "stream" or trunk != "bf16") and compile:
+                raise ValueError("experts='stream' and an integer trunk decode uncompiled: drop compile=True "
+                                 "(--compile)")
+            stream = {} if experts == "memory" else {"experts": experts, "expert_cache": expert_cache,
+                                                     "io_threads": io_threads, "direct_io": direct_io}
+            if trunk != "bf16":
+                stream["trunk"] = trunk
+            model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed, **stream)
         else:
             raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")
         if isinstance(tokenizer, (str, os.PathLike)):

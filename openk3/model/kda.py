@@ -220,7 +220,9 @@ class KimiDeltaAttention(nn.Module):
         full_rank = hasattr(self, "g_proj")
         projs = [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.b_proj,
                  self.g_proj if full_rank else self.g_a_proj]
-        w = packed_weight(self, "in_proj", [m.weight for m in projs])
+        # (an integer trunk's linears, openk3.quant.trunk, have no float weight to pack: one call each)
+        w = packed_weight(self, "in_proj", [m.weight for m in projs]) if all(
+            type(m) is nn.Linear for m in projs) else None
         if w is not None:
             y_BN = F.linear(x_BD, w)
             ys, qkv_B3P = y_BN.split([m.weight.shape[0] for m in projs], -1), y_BN[:, :3 * P]

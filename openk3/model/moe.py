@@ -48,6 +48,13 @@ FUSED_MAX_WORK = 1 << 21
 # removes; larger experts stream faster through torch's matmuls (and use more than one core), measured
 # crossover between 2^16 (I 96 x C 512: kernel 10-60 % faster) and 2^17 (I 128 x C 1024: 5-20 % slower).
 FUSED_MAX_EXPERT = 1 << 16
+# MXFP4 experts (kept packed or streamed): the kernel reads the packed bytes for each (token, expert) pair, while
+# `experts_packed` dequantises each touched expert once and runs torch matmuls, so the kernel wins while an
+# expert gets few pairs, whatever its size (both costs scale with I x C). Measured (one core, 2026-12-05, I x C
+# from 64 x 64 to K3's 3072 x 3584): the kernel took 0.01-0.05x the time up to 16 pairs per touched expert,
+# 0.1-0.25x at 32-64, 0.2-0.5x at 128-256; at K3's width and one token, 47 ms against 7.7 s for 16 experts.
+# Pairs per touched expert x threads below this bound: the kernel.
+MXFP4_KERNEL_MAX_PAIRS = 256
 
 
 def compiled_impl(tokens: int, top_k: int, num_experts: int, hidden: int, width: int, fused: bool = False,
@@ -169,10 +176,14 @@ class SparseMoE(nn.Module):
                                                 top_k=self.top_k, renormalize=self.renormalize, scaling=self.scaling)
         if self.record_routing:
             self.last_routing = (scores_NE.detach(), idx_NK.detach())
+        streamed = hasattr(self.experts, "stream_run")  # experts read from disk (openk3/stream/experts.py)
+        if streamed:  # start the reads, then the work that does not need them
+            self.experts.prefetch(idx_NK)
+            shared_ND = self.shared_experts(x_ND) if hasattr(self, "shared_experts") else None
         z_NC = self.routed_expert_down_proj(x_ND) if hasattr(self, "routed_expert_down_proj") else x_ND
         if self.dispatcher is not None:  # expert parallel: the all-to-all moves latent-wide rows (C, not D)
             r_NC = self.dispatcher(z_NC, w_NK, idx_NK, self.experts, self.glu)
-        elif hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (model/packed_experts.py)
+        elif streamed or hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (model/packed_experts.py)
             r_NC = self._packed_experts(z_NC, w_NK, idx_NK, impl)
         else:
             ex = self.experts
@@ -206,22 +217,30 @@ class SparseMoE(nn.Module):
             r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection
         out_ND = self.routed_expert_up_proj(r_NC) if hasattr(self, "routed_expert_up_proj") else r_NC
         if hasattr(self, "shared_experts"):
-            out_ND = out_ND + self.shared_experts(x_ND)  # full-width input, unweighted
+            out_ND = out_ND + (shared_ND if streamed else self.shared_experts(x_ND))  # full-width input, unweighted
         return out_ND.view(B, T, D)
 
     def _packed_experts(self, z_NC: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, impl: str) -> torch.Tensor:
-        """Routed experts held in MXFP4 (`model.packed_experts.PackedExperts`): the MXFP4 CPU kernel (decode, short
-        prompts, every compiled step) or, otherwise, `experts_packed` (dequantise each touched expert)."""
+        """Routed experts held in MXFP4 (`model.packed_experts.PackedExperts`, or streamed from disk with the same
+        arithmetic, `openk3.stream.StreamedExperts`): the MXFP4 CPU kernel (decode, short prompts, every compiled
+        step) or, otherwise, `experts_packed` (dequantise each touched expert)."""
         pe = self.experts
-        bufs = [getattr(pe, name) for name in moe_mxfp4_cpu.BUFFERS]
         kernel = impl in ("auto", "fused") and moe_mxfp4_cpu.supports(z_NC, self.act[0]) and _mxfp4_available()
         if torch.compiler.is_compiling():
+            if hasattr(pe, "stream_run"):
+                raise ValueError("streamed experts (experts='stream') cannot run in a compiled step: decode "
+                                 "uncompiled (compile=False)")
             if not kernel:  # experts_packed's per-expert loop has data-dependent shapes: no graph
                 raise ValueError("a compiled decode step on MXFP4-packed experts needs the MXFP4 CPU kernel "
                                  "(a C compiler, CPU, float32/float64, no autograd); decode uncompiled "
                                  "(compile=False) or load the experts unpacked (keep_packed=False)")
-            return moe_mxfp4_cpu.experts_mxfp4_op(z_NC, w_NK, idx_NK, *bufs, *self.act)
-        work = z_NC.shape[0] * pe.hidden * pe.dim * torch.get_num_threads()
-        if kernel and (impl == "fused" or work <= FUSED_MAX_WORK):
-            return moe_mxfp4_cpu.experts_mxfp4(z_NC, w_NK, idx_NK, *bufs, *self.act)
+            return moe_mxfp4_cpu.experts_mxfp4_op(z_NC, w_NK, idx_NK, *(getattr(pe, n) for n in moe_mxfp4_cpu.BUFFERS),
+                                                  *self.act)
+        pairs = max(1.0, idx_NK.numel() / pe.num_experts) * torch.get_num_threads()  # per touched expert, ~
+        use_kernel = kernel and (impl == "fused" or pairs <= MXFP4_KERNEL_MAX_PAIRS)
+        if hasattr(pe, "stream_run"):  # the same choice, on bytes read from disk
+            return pe.stream_run(z_NC, w_NK, idx_NK, self.glu, self.act, use_kernel)
+        if use_kernel:
+            return moe_mxfp4_cpu.experts_mxfp4(z_NC, w_NK, idx_NK, *(getattr(pe, n) for n in moe_mxfp4_cpu.BUFFERS),
+                                               *self.act)
         return pe.run(z_NC, w_NK, idx_NK, self.glu, z_NC.dtype)

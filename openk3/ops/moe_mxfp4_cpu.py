@@ -47,6 +47,7 @@ from openk3.ops.moe_cpu import (
     dense,
     inputs_as_is,
     lean_inputs,
+    raise_for,
 )
 from openk3.ops.moe_mxfp4_simd import SOURCE_F32
 
@@ -65,6 +66,31 @@ static inline double scale_f64(uint8_t b) {
     union { uint64_t u; double f; } v;
     v.u = (uint64_t)(b + 1023 - 127) << 52;
     return v.f;
+}
+
+/* Where expert e's six tensors are, in the order gate codes, gate scales, up codes, up scales, down codes,
+   down scales: base[k] + e * stride[k] (stacked buffers, `PackedExperts`), or tab[6 e + k] (absolute
+   addresses, one row per expert; 0 where an expert is not resident: streamed experts, `openk3.stream`). */
+typedef struct { const uint8_t *base[6]; int64_t stride[6]; const int64_t *tab; } Src;
+
+static inline Src stacked(const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
+                          const uint8_t *p2, const uint8_t *s2, int64_t C, int64_t I) {
+    Src s = {{p1, s1, p3, s3, p2, s2}, {I * (C / 2), I * (C / 32), I * (C / 2), I * (C / 32), C * (I / 2),
+             C * (I / 32)}, NULL};
+    return s;
+}
+
+/* w[k] = expert e's tensor k; -1 for an expert the table does not hold. */
+static inline int expert_ptrs(const Src *s, int64_t e, const uint8_t **w) {
+    for (int k = 0; k < 6; k++) {
+        if (s->tab) {
+            if (!s->tab[6 * e + k]) return -1;
+            w[k] = (const uint8_t *)(intptr_t)s->tab[6 * e + k];
+        } else {
+            w[k] = s->base[k] + e * s->stride[k];
+        }
+    }
+    return 0;
 }
 
 enum { CHUNK = 64 };  /* tokens of one expert whose hidden rows are held at once */
@@ -91,32 +117,35 @@ static inline void prefetch_##SUF(const uint8_t *a, int64_t n) {                
     for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(a + b, 0, 1);                            \
 }                                                                                                   \
                                                                                                     \
-int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K,     \
-                           int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3,      \
-                           const uint8_t *s3, const uint8_t *p2, const uint8_t *s2, int64_t E,      \
-                           int64_t I, int act, double b1, double b2, T *out) {                      \
+static int mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K, int64_t C,        \
+                       const Src *src, int64_t E, int64_t I, int act, double b1, double b2, int64_t e_lo,  \
+                       int64_t e_hi, int acc, T *out) {                                                     \
     int64_t M = N * K;                                                                              \
     const int64_t pc = C / 2, sc = C / 32, pi = I / 2, si = I / 32; /* bytes per row */            \
     int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *order = malloc(sizeof(int64_t) * (M + 1)); \
     T *h = malloc(sizeof(T) * CHUNK * (I + 1));                                                     \
     T *r1 = malloc(sizeof(T) * (C + 1)), *r3 = malloc(sizeof(T) * (C + 1)), *r2 = malloc(sizeof(T) * 4 * (I + 1)); \
     int rc = (start && order && h && r1 && r3 && r2) ? sort_pairs(idx, M, E, start, order) : -2;   \
-    if (rc == 0) memset(out, 0, sizeof(T) * N * C);                                                 \
-    for (int64_t e = 0; rc == 0 && e < E; e++) {                                                    \
+    if (rc == 0 && !acc) memset(out, 0, sizeof(T) * N * C);                                         \
+    const uint8_t *w[6], *nw[6];                                                                    \
+    for (int64_t e = e_lo; rc == 0 && e < e_hi; e++) {                                              \
         if (start[e + 1] == start[e]) continue;                                                     \
+        if (expert_ptrs(src, e, w)) { rc = -4; break; }                                             \
         int64_t en = e + 1;                                                                         \
-        while (en < E && start[en + 1] == start[en]) en++;                                          \
-        int pf = en < E;                                                                            \
+        while (en < e_hi && start[en + 1] == start[en]) en++;                                       \
+        int pf = en < e_hi && !expert_ptrs(src, en, nw);                                            \
+        const uint8_t *p1 = w[0], *s1 = w[1], *p3 = w[2], *s3 = w[3], *p2 = w[4], *s2 = w[5];       \
+        const uint8_t *n1 = pf ? nw[0] : p1, *m1 = pf ? nw[1] : s1, *n3 = pf ? nw[2] : p3;          \
+        const uint8_t *m3 = pf ? nw[3] : s3, *n2 = pf ? nw[4] : p2, *m2 = pf ? nw[5] : s2;          \
         for (int64_t q0 = start[e]; rc == 0 && q0 < start[e + 1]; q0 += CHUNK) {                    \
             int64_t nq = start[e + 1] - q0 < CHUNK ? start[e + 1] - q0 : CHUNK;                     \
             int first = pf && q0 == start[e];                                                       \
             for (int64_t i = 0; i < I; i++) {                                                       \
-                int64_t row = e * I + i, nrow = en * I + i;                                         \
-                if (deq_##SUF(p1 + row * pc, s1 + row * sc, C, r1)                                  \
-                    || deq_##SUF(p3 + row * pc, s3 + row * sc, C, r3)) { rc = -3; break; }          \
+                if (deq_##SUF(p1 + i * pc, s1 + i * sc, C, r1)                                      \
+                    || deq_##SUF(p3 + i * pc, s3 + i * sc, C, r3)) { rc = -3; break; }              \
                 if (first) {                                                                        \
-                    prefetch_##SUF(p1 + nrow * pc, pc); prefetch_##SUF(p3 + nrow * pc, pc);         \
-                    prefetch_##SUF(s1 + nrow * sc, sc); prefetch_##SUF(s3 + nrow * sc, sc); }       \
+                    prefetch_##SUF(n1 + i * pc, pc); prefetch_##SUF(n3 + i * pc, pc);               \
+                    prefetch_##SUF(m1 + i * sc, sc); prefetch_##SUF(m3 + i * sc, sc); }             \
                 for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
                     int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
                     const T *xr[4];                                                                 \
@@ -130,9 +159,9 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
                 T *o0 = out + (order[q0] / K) * C, w0 = wts[order[q0]];                             \
                 for (int64_t c = 0; rc == 0 && c < C; c += 4) {                                     \
                     for (int r = 0; r < 4; r++) {                                                   \
-                        int64_t row = e * C + c + r, nrow = en * C + c + r;                         \
+                        int64_t row = c + r;                                                        \
                         if (deq_##SUF(p2 + row * pi, s2 + row * si, I, r2 + r * I)) { rc = -3; break; } \
-                        if (first) { prefetch_##SUF(p2 + nrow * pi, pi); prefetch_##SUF(s2 + nrow * si, si); } \
+                        if (first) { prefetch_##SUF(n2 + row * pi, pi); prefetch_##SUF(m2 + row * si, si); } \
                     }                                                                               \
                     if (rc) break;                                                                  \
                     T a0 = 0, a1 = 0, a2 = 0, a3 = 0;                                               \
@@ -147,9 +176,8 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
                 continue;                                                                           \
             }                                                                                       \
             for (int64_t c = 0; rc == 0 && c < C; c++) {                                            \
-                int64_t row = e * C + c, nrow = en * C + c;                                         \
-                if (deq_##SUF(p2 + row * pi, s2 + row * si, I, r2)) { rc = -3; break; }             \
-                if (first) { prefetch_##SUF(p2 + nrow * pi, pi); prefetch_##SUF(s2 + nrow * si, si); } \
+                if (deq_##SUF(p2 + c * pi, s2 + c * si, I, r2)) { rc = -3; break; }                 \
+                if (first) { prefetch_##SUF(n2 + c * pi, pi); prefetch_##SUF(m2 + c * si, si); }    \
                 for (int64_t t0 = 0; t0 < nq; t0 += 4) {                                            \
                     int nb = (int)(nq - t0 < 4 ? nq - t0 : 4);                                      \
                     const T *hr[4];                                                                 \
@@ -166,6 +194,21 @@ int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t
     }                                                                                               \
     free(start); free(order); free(h); free(r1); free(r3); free(r2);                                \
     return rc;                                                                                      \
+}                                                                                                   \
+                                                                                                    \
+int openk3_moe_mxfp4_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K,     \
+                           int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3,      \
+                           const uint8_t *s3, const uint8_t *p2, const uint8_t *s2, int64_t E,      \
+                           int64_t I, int act, double b1, double b2, T *out) {                      \
+    Src src = stacked(p1, s1, p3, s3, p2, s2, C, I);                                                \
+    return mxfp4_##SUF(x, idx, wts, N, K, C, &src, E, I, act, b1, b2, 0, E, 0, out);                \
+}                                                                                                   \
+                                                                                                    \
+int openk3_moe_mxfp4_tab_##SUF(const T *x, const int64_t *idx, const T *wts, int64_t N, int64_t K, \
+                               int64_t C, const int64_t *tab, int64_t E, int64_t I, int act,        \
+                               double b1, double b2, int64_t e_lo, int64_t e_hi, int acc, T *out) { \
+    Src src = {{0}, {0}, tab};                                                                      \
+    return mxfp4_##SUF(x, idx, wts, N, K, C, &src, E, I, act, b1, b2, e_lo, e_hi, acc, out);        \
 }
 
 """ + SOURCE_F32 + r"""
@@ -184,11 +227,15 @@ int openk3_moe_mxfp4_simd(void) { return OPENK3_SIMD_F32; }
 BUFFERS = ("w1_packed", "w1_scale", "w3_packed", "w3_scale", "w2_packed", "w2_scale")
 _P, _L, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _ARGS = [_P, _P, _P, _L, _L, _L, _P, _P, _P, _P, _P, _P, _L, _L, ctypes.c_int, _D, _D, _P]
+# The table form: (x, ids, weights, N, K, C, table, E, I, activation, beta, linear_beta, e_lo, e_hi, accumulate, out)
+_TAB_ARGS = [_P, _P, _P, _L, _L, _L, _P, _L, _L, ctypes.c_int, _D, _D, _L, _L, ctypes.c_int, _P]
 
 
 @functools.cache
 def _lib() -> ctypes.CDLL | None:
     return cbuild.load("moe_mxfp4", _SOURCE, {"openk3_moe_mxfp4_f32": _ARGS, "openk3_moe_mxfp4_f64": _ARGS,
+                                              "openk3_moe_mxfp4_tab_f32": _TAB_ARGS,
+                                              "openk3_moe_mxfp4_tab_f64": _TAB_ARGS,
                                               "openk3_moe_mxfp4_simd": []}, "MXFP4 CPU MoE kernel")
 
 
@@ -240,6 +287,43 @@ def experts_mxfp4(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Te
     x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
     return call_kernel(lib.openk3_moe_mxfp4_f32, lib.openk3_moe_mxfp4_f64, "experts_mxfp4", x, wts, idx,
                        [dense(b) for b in bufs], E, I, hidden_act, beta, linear_beta)
+
+
+def experts_mxfp4_table(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.Tensor, table_E6: torch.Tensor,
+                        hidden: int, hidden_act: str, beta: float, linear_beta: float, e_lo: int, e_hi: int,
+                        out_NC: torch.Tensor | None = None) -> torch.Tensor:
+    """`experts_mxfp4` on experts found through a table of addresses instead of stacked buffers, for the
+    experts e_lo <= e < e_hi only, added into `out_NC` (None: a zeroed new one). Returns out_NC [N, C].
+
+    `table_E6` int64 [E, 6]: row e holds the addresses of expert e's gate codes, gate scales, up codes, up
+    scales, down codes and down scales (the `PackedExperts` layouts of one expert, rows contiguous), or
+    zeros where the expert is not resident. The caller keeps that memory alive and unchanged during the
+    call (`openk3.stream.ExpertCache` pins the slots). Calls over ascending, disjoint ranges that together
+    cover every routed expert give, bit for bit, what one `experts_mxfp4` call gives on the same bytes: each
+    output row is summed expert by expert in ascending order either way. A routed expert in range without
+    a table row raises RuntimeError; a scale byte 255 ValueError (as `experts_mxfp4`).
+    """
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("the MXFP4 CPU MoE kernel is unavailable (see available())")
+    E = table_E6.shape[0]
+    assert table_E6.dtype == torch.int64 and table_E6.shape == (E, 6) and table_E6.is_contiguous()
+    x, wts, idx = lean_inputs(x_NC, weights_NK, idx_NK)
+    N, C = x.shape
+    assert C % 32 == 0 and hidden % 32 == 0 and 0 <= e_lo <= e_hi <= E and idx.shape == (N, wts.shape[1])
+    acc = out_NC is not None
+    if out_NC is None:
+        out_NC = x.new_empty((N, C))
+    assert out_NC.dtype == x.dtype and out_NC.shape == (N, C) and out_NC.is_contiguous()
+    if N == 0 or C == 0 or e_lo == e_hi:
+        return out_NC.zero_() if not acc else out_NC
+    fn = lib.openk3_moe_mxfp4_tab_f32 if x.dtype == torch.float32 else lib.openk3_moe_mxfp4_tab_f64
+    rc = fn(x.data_ptr(), idx.data_ptr(), wts.data_ptr(), N, idx.shape[1], C, table_E6.data_ptr(), E, hidden,
+            ACTS[hidden_act], beta, linear_beta, e_lo, e_hi, int(acc), out_NC.data_ptr())
+    if rc == -4:
+        raise RuntimeError(f"experts_mxfp4_table: a routed expert in [{e_lo}, {e_hi}) has no table row")
+    raise_for(rc, "experts_mxfp4_table", E)
+    return out_NC
 
 
 def _ready_as_is(x, wts, idx, bufs, hidden_act: str) -> bool:

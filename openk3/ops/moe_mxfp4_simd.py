@@ -109,26 +109,25 @@ static inline void deinterleave(const float *a, int64_t n, float *o) {
 /* nl (1..4, a constant after inlining) tokens of expert e: xt their de-interleaved inputs, ot their output
    rows, wt their routing weights. hn/hd: [4][I] scratch; S: [2][4][16] accumulators. */
 static inline __attribute__((always_inline)) void expert_block_f32(
-        const int nl, int64_t e, int64_t en, int pf, const float *const *xt, float *const *ot, const float *wt,
-        int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
-        const uint8_t *p2, const uint8_t *s2, int64_t I, int act, float b1, float b2,
+        const int nl, const uint8_t *const *w, const uint8_t *const *nw, int pf, const float *const *xt,
+        float *const *ot, const float *wt, int64_t C, int64_t I, int act, float b1, float b2,
         float *hn, float *hd, __m512 (*S)[4][16]) {
     const __m512 lut = _mm512_loadu_ps(E2M1_f32);
     const int64_t pc = C / 2, sc = C / 32, pi = I / 2, si = I / 32;
     for (int64_t ib = 0; ib < I; ib += 16) {  /* gate and up: 16 rows, then their sums and GLU at once */
         for (int r = 0; r < 16; r++) {
-            int64_t row = e * I + ib + r, nrow = en * I + ib + r;
+            int64_t row = ib + r;
             if (pf) {
                 for (int64_t b = 0; b < pc; b += 64) {
-                    __builtin_prefetch(p1 + nrow * pc + b, 0, 1); __builtin_prefetch(p3 + nrow * pc + b, 0, 1); }
-                __builtin_prefetch(s1 + nrow * sc, 0, 1); __builtin_prefetch(s3 + nrow * sc, 0, 1);
+                    __builtin_prefetch(nw[0] + row * pc + b, 0, 1); __builtin_prefetch(nw[2] + row * pc + b, 0, 1); }
+                __builtin_prefetch(nw[1] + row * sc, 0, 1); __builtin_prefetch(nw[3] + row * sc, 0, 1);
             }
             __m512 ag[4], au[4];
             for (int t = 0; t < nl; t++) ag[t] = au[t] = _mm512_setzero_ps();
             for (int64_t g = 0; g < sc; g++) {
                 __m512 e1, o1, e3, o3;
-                DEQ_GROUP(p1 + row * pc + g * 16, s1[row * sc + g], e1, o1);
-                DEQ_GROUP(p3 + row * pc + g * 16, s3[row * sc + g], e3, o3);
+                DEQ_GROUP(w[0] + row * pc + g * 16, w[1][row * sc + g], e1, o1);
+                DEQ_GROUP(w[2] + row * pc + g * 16, w[3][row * sc + g], e3, o3);
                 for (int t = 0; t < nl; t++) {
                     __m512 xe = _mm512_loadu_ps(xt[t] + g * 32), xo = _mm512_loadu_ps(xt[t] + g * 32 + 16);
                     ag[t] = _mm512_fmadd_ps(o1, xo, _mm512_fmadd_ps(e1, xe, ag[t]));
@@ -143,16 +142,16 @@ static inline __attribute__((always_inline)) void expert_block_f32(
     for (int t = 0; t < nl; t++) deinterleave(hn + t * I, I, hd + t * I);
     for (int64_t cb = 0; cb < C; cb += 16) {  /* down: 16 output columns, then weighted into each row */
         for (int r = 0; r < 16; r++) {
-            int64_t row = e * C + cb + r, nrow = en * C + cb + r;
+            int64_t row = cb + r;
             if (pf) {
-                for (int64_t b = 0; b < pi; b += 64) __builtin_prefetch(p2 + nrow * pi + b, 0, 1);
-                __builtin_prefetch(s2 + nrow * si, 0, 1);
+                for (int64_t b = 0; b < pi; b += 64) __builtin_prefetch(nw[4] + row * pi + b, 0, 1);
+                __builtin_prefetch(nw[5] + row * si, 0, 1);
             }
             __m512 a[4];
             for (int t = 0; t < nl; t++) a[t] = _mm512_setzero_ps();
             for (int64_t g = 0; g < si; g++) {
                 __m512 ev, od;
-                DEQ_GROUP(p2 + row * pi + g * 16, s2[row * si + g], ev, od);
+                DEQ_GROUP(w[4] + row * pi + g * 16, w[5][row * si + g], ev, od);
                 for (int t = 0; t < nl; t++)
                     a[t] = _mm512_fmadd_ps(od, _mm512_loadu_ps(hd + t * I + g * 32 + 16),
                                            _mm512_fmadd_ps(ev, _mm512_loadu_ps(hd + t * I + g * 32), a[t]));
@@ -198,30 +197,29 @@ static inline void deinterleave(const float *a, int64_t n, float *o) {
 /* nl (1..4, a constant after inlining) tokens of expert e: xt their de-interleaved inputs, ot their output
    rows, wt their routing weights. hn/hd: [4][I] scratch; S: [2][4][8] accumulators. */
 static inline __attribute__((always_inline)) void expert_block_f32(
-        const int nl, int64_t e, int64_t en, int pf, const float *const *xt, float *const *ot, const float *wt,
-        int64_t C, const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
-        const uint8_t *p2, const uint8_t *s2, int64_t I, int act, double b1, double b2,
+        const int nl, const uint8_t *const *w, const uint8_t *const *nw, int pf, const float *const *xt,
+        float *const *ot, const float *wt, int64_t C, int64_t I, int act, double b1, double b2,
         float *hn, float *hd, __m256 (*S)[4][8]) {
     const __m256 lut = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
     const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
     const int64_t pc = C / 2, sc = C / 32, pi = I / 2, si = I / 32;
     for (int64_t ib = 0; ib < I; ib += 8) {  /* gate and up: 8 rows, then their sums and GLUs */
         for (int r = 0; r < 8; r++) {
-            int64_t row = e * I + ib + r, nrow = en * I + ib + r;
+            int64_t row = ib + r;
             if (pf) {
                 for (int64_t b = 0; b < pc; b += 64) {
-                    __builtin_prefetch(p1 + nrow * pc + b, 0, 1); __builtin_prefetch(p3 + nrow * pc + b, 0, 1); }
-                __builtin_prefetch(s1 + nrow * sc, 0, 1); __builtin_prefetch(s3 + nrow * sc, 0, 1);
+                    __builtin_prefetch(nw[0] + row * pc + b, 0, 1); __builtin_prefetch(nw[2] + row * pc + b, 0, 1); }
+                __builtin_prefetch(nw[1] + row * sc, 0, 1); __builtin_prefetch(nw[3] + row * sc, 0, 1);
             }
             __m256 ag[4], au[4];
             for (int t = 0; t < nl; t++) ag[t] = au[t] = _mm256_setzero_ps();
             for (int64_t g = 0; g < sc; g++) {
-                const __m256 m1 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(s1[row * sc + g])));
-                const __m256 m3 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(s3[row * sc + g])));
+                const __m256 m1 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(w[1][row * sc + g])));
+                const __m256 m3 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(w[3][row * sc + g])));
                 for (int h = 0; h < 2; h++) {  /* bytes 8h..8h+7: elements 16h..16h+15 of the group */
                     __m256 e1, o1, e3, o3;
-                    DEQ_HALF(p1 + row * pc + g * 16 + 8 * h, m1, e1, o1);
-                    DEQ_HALF(p3 + row * pc + g * 16 + 8 * h, m3, e3, o3);
+                    DEQ_HALF(w[0] + row * pc + g * 16 + 8 * h, m1, e1, o1);
+                    DEQ_HALF(w[2] + row * pc + g * 16 + 8 * h, m3, e3, o3);
                     for (int t = 0; t < nl; t++) {
                         __m256 xe = _mm256_loadu_ps(xt[t] + g * 32 + 8 * h);
                         __m256 xo = _mm256_loadu_ps(xt[t] + g * 32 + 16 + 8 * h);
@@ -242,18 +240,18 @@ static inline __attribute__((always_inline)) void expert_block_f32(
     for (int t = 0; t < nl; t++) deinterleave(hn + t * I, I, hd + t * I);
     for (int64_t cb = 0; cb < C; cb += 8) {  /* down: 8 output columns, then weighted into each row */
         for (int r = 0; r < 8; r++) {
-            int64_t row = e * C + cb + r, nrow = en * C + cb + r;
+            int64_t row = cb + r;
             if (pf) {
-                for (int64_t b = 0; b < pi; b += 64) __builtin_prefetch(p2 + nrow * pi + b, 0, 1);
-                __builtin_prefetch(s2 + nrow * si, 0, 1);
+                for (int64_t b = 0; b < pi; b += 64) __builtin_prefetch(nw[4] + row * pi + b, 0, 1);
+                __builtin_prefetch(nw[5] + row * si, 0, 1);
             }
             __m256 a[4];
             for (int t = 0; t < nl; t++) a[t] = _mm256_setzero_ps();
             for (int64_t g = 0; g < si; g++) {
-                const __m256 m2 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(s2[row * si + g])));
+                const __m256 m2 = _mm256_mul_ps(lut, _mm256_set1_ps(scale_f32(w[5][row * si + g])));
                 for (int h = 0; h < 2; h++) {
                     __m256 ev, od;
-                    DEQ_HALF(p2 + row * pi + g * 16 + 8 * h, m2, ev, od);
+                    DEQ_HALF(w[4] + row * pi + g * 16 + 8 * h, m2, ev, od);
                     for (int t = 0; t < nl; t++)
                         a[t] = _mm256_fmadd_ps(od, _mm256_loadu_ps(hd + t * I + g * 32 + 16 + 8 * h),
                                                _mm256_fmadd_ps(ev, _mm256_loadu_ps(hd + t * I + g * 32 + 8 * h), a[t]));
@@ -268,8 +266,9 @@ static inline __attribute__((always_inline)) void expert_block_f32(
 }
 """
 
-# The entry point, the same for both: pairs sorted by expert, inputs de-interleaved once, blocks of up to four
-# tokens per touched expert. VEC_T / VEC_ROWS / B1 / B2 are filled in per form.
+# The entry points, the same for both: pairs sorted by expert, inputs de-interleaved once, blocks of up to four
+# tokens per touched expert; experts found in stacked buffers or, for streamed experts, through a table of
+# addresses (`Src`, defined in moe_mxfp4_cpu._SOURCE). VEC_T / VEC_ROWS / B1 / B2 are filled in per form.
 _DRIVER = r"""
 static inline int any_nan_scale(const uint8_t *s, int64_t n) {
     int bad = 0;
@@ -277,10 +276,9 @@ static inline int any_nan_scale(const uint8_t *s, int64_t n) {
     return bad;
 }
 
-int openk3_moe_mxfp4_f32(const float *x, const int64_t *idx, const float *wts, int64_t N, int64_t K, int64_t C,
-                         const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
-                         const uint8_t *p2, const uint8_t *s2, int64_t E, int64_t I, int act, double b1,
-                         double b2, float *out) {
+static int mxfp4_f32(const float *x, const int64_t *idx, const float *wts, int64_t N, int64_t K, int64_t C,
+                     const Src *src, int64_t E, int64_t I, int act, double b1, double b2, int64_t e_lo,
+                     int64_t e_hi, int acc, float *out) {
     int64_t M = N * K;
     int64_t *start = malloc(sizeof(int64_t) * (E + 1)), *order = malloc(sizeof(int64_t) * (M + 1));
     float *xd = malloc(sizeof(float) * (N * C + 1)), *hn = malloc(sizeof(float) * 4 * I + 64);
@@ -288,25 +286,27 @@ int openk3_moe_mxfp4_f32(const float *x, const int64_t *idx, const float *wts, i
     VEC_T S[2][4][VEC_ROWS];
     int rc = (start && order && xd && hn && hd) ? sort_pairs(idx, M, E, start, order) : -2;
     if (rc == 0) {
-        memset(out, 0, sizeof(float) * N * C);
+        if (!acc) memset(out, 0, sizeof(float) * N * C);
         for (int64_t n = 0; n < N; n++) deinterleave(x + n * C, C, xd + n * C);
     }
-    for (int64_t e = 0; rc == 0 && e < E; e++) {
+    const uint8_t *w[6], *nw[6];
+    for (int64_t e = e_lo; rc == 0 && e < e_hi; e++) {
         if (start[e + 1] == start[e]) continue;
-        if (any_nan_scale(s1 + e * I * (C / 32), I * (C / 32)) || any_nan_scale(s3 + e * I * (C / 32), I * (C / 32))
-            || any_nan_scale(s2 + e * C * (I / 32), C * (I / 32))) { rc = -3; break; }
+        if (expert_ptrs(src, e, w)) { rc = -4; break; }
+        if (any_nan_scale(w[1], I * (C / 32)) || any_nan_scale(w[3], I * (C / 32))
+            || any_nan_scale(w[5], C * (I / 32))) { rc = -3; break; }
         int64_t en = e + 1;
-        while (en < E && start[en + 1] == start[en]) en++;
+        while (en < e_hi && start[en + 1] == start[en]) en++;
+        int has_next = en < e_hi && !expert_ptrs(src, en, nw);
         for (int64_t q = start[e]; q < start[e + 1]; q += 4) {
             int nl = (int)(start[e + 1] - q < 4 ? start[e + 1] - q : 4);
-            int pf = en < E && q == start[e];  /* the next touched expert, while this one's first block runs */
+            int pf = has_next && q == start[e];  /* the next touched expert, while this one's first block runs */
             const float *xt[4]; float *ot[4]; float wt[4];
             for (int t = 0; t < nl; t++) {
                 int64_t m = order[q + t];
                 xt[t] = xd + (m / K) * C; ot[t] = out + (m / K) * C; wt[t] = wts[m];
             }
-#define BLOCK(NL) expert_block_f32(NL, e, pf ? en : e, pf, xt, ot, wt, C, p1, s1, p3, s3, p2, s2, I, act, \
-                                   B1, B2, hn, hd, S)
+#define BLOCK(NL) expert_block_f32(NL, w, pf ? nw : w, pf, xt, ot, wt, C, I, act, B1, B2, hn, hd, S)
             switch (nl) {
                 case 1: BLOCK(1); break;
                 case 2: BLOCK(2); break;
@@ -318,6 +318,21 @@ int openk3_moe_mxfp4_f32(const float *x, const int64_t *idx, const float *wts, i
     }
     free(start); free(order); free(xd); free(hn); free(hd);
     return rc;
+}
+
+int openk3_moe_mxfp4_f32(const float *x, const int64_t *idx, const float *wts, int64_t N, int64_t K, int64_t C,
+                         const uint8_t *p1, const uint8_t *s1, const uint8_t *p3, const uint8_t *s3,
+                         const uint8_t *p2, const uint8_t *s2, int64_t E, int64_t I, int act, double b1,
+                         double b2, float *out) {
+    Src src = stacked(p1, s1, p3, s3, p2, s2, C, I);
+    return mxfp4_f32(x, idx, wts, N, K, C, &src, E, I, act, b1, b2, 0, E, 0, out);
+}
+
+int openk3_moe_mxfp4_tab_f32(const float *x, const int64_t *idx, const float *wts, int64_t N, int64_t K, int64_t C,
+                             const int64_t *tab, int64_t E, int64_t I, int act, double b1, double b2,
+                             int64_t e_lo, int64_t e_hi, int acc, float *out) {
+    Src src = {{0}, {0}, tab};
+    return mxfp4_f32(x, idx, wts, N, K, C, &src, E, I, act, b1, b2, e_lo, e_hi, acc, out);
 }
 """
 

@@ -48,6 +48,12 @@ class StepFailed(Exception):
     """The engine step that was generating this request raised (an internal error: the server answers 500)."""
 
 
+def expert_stats(engine: Engine) -> dict | None:
+    """The streamed experts' counters of the engine's model (`openk3.stream.stats`), None without them."""
+    cache = engine.model.__dict__.get("expert_stream")
+    return None if cache is None else cache.stats()
+
+
 def guarded_step(engine: Engine) -> tuple[list[RequestOutput], list[tuple[str, Exception]]]:
     """`engine.step()`; when it raises, the requests that step was working on fail, the others keep going.
 
@@ -202,7 +208,8 @@ class EngineLoop:
         before = stats["generation_tokens"], stats["prompt_tokens"]
         _, failed = guarded_step(self.engine)
         self.metrics.step(len(self.engine.running), len(self.engine.waiting),
-                          stats["generation_tokens"] - before[0], stats["prompt_tokens"] - before[1])
+                          stats["generation_tokens"] - before[0], stats["prompt_tokens"] - before[1],
+                          expert_stats(self.engine))
         for rid, error in failed:
             with self._cv:
                 sub = self._live.pop(rid, None)

@@ -50,7 +50,7 @@ from multiprocessing.connection import Connection
 
 from openk3.infer.engine import RequestOutput
 from openk3.infer.sample import SamplingParams
-from openk3.serve.loop import Deliver, LoopDead, QueueFull, StepFailed, guarded_step
+from openk3.serve.loop import Deliver, LoopDead, QueueFull, StepFailed, expert_stats, guarded_step
 from openk3.serve.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ def _serve(engine, messages: queue.SimpleQueue, send: Callable[[tuple], None]) -
                         failures.append((rid, f"{type(e).__name__}: {e}"))
         if not engine.has_unfinished():
             if failures:
-                send(("step", len(engine.running), len(engine.waiting), 0, 0, [], failures))
+                send(("step", len(engine.running), len(engine.waiting), 0, 0, [], failures, expert_stats(engine)))
             continue
         before = stats["generation_tokens"], stats["prompt_tokens"]
         outputs, failed = guarded_step(engine)
@@ -186,7 +186,7 @@ def _serve(engine, messages: queue.SimpleQueue, send: Callable[[tuple], None]) -
         outs = [(o.request_id, o.delta_token_ids, o.delta_text, o.finish_reason if o.finished else None,
                  o.stop_reason, o.delta_logprobs) for o in outputs]
         send(("step", len(engine.running), len(engine.waiting), stats["generation_tokens"] - before[0],
-              stats["prompt_tokens"] - before[1], outs, failures))
+              stats["prompt_tokens"] - before[1], outs, failures, expert_stats(engine)))
 
 
 # ---- the parent ---------------------------------------------------------------------------------------
@@ -369,8 +369,8 @@ class EngineProcess:
             self._on_child_death(e)
 
     def _on_message(self, msg: tuple) -> None:
-        _, running, waiting, new_tokens, new_prompt, outs, failures = msg
-        self.metrics.step(running, waiting, new_tokens, new_prompt)
+        _, running, waiting, new_tokens, new_prompt, outs, failures, experts = msg
+        self.metrics.step(running, waiting, new_tokens, new_prompt, experts)
         for rid, delta_ids, delta_text, finish_reason, stop_reason, delta_lp in outs:
             live = self._live.get(rid)
             if live is not None:  # else: failed already, or a late output of an abort
