@@ -51,7 +51,7 @@ def disk_gbps(folder: Path, depths: list[int], reads: int, direct: bool | None, 
             if len(pending) == qd:
                 pending.pop(0).result()
             slot = i % qd
-            pending.append(reader.submit(index.loc(layer, e).extents,
+            pending.append(reader.submit(reader.read, index.loc(layer, e).extents,
                                          mv[slot * index.slot_bytes:(slot + 1) * index.slot_bytes]))
         for f in pending:
             f.result()

@@ -6,12 +6,13 @@ held-out real text, with a trained openk3 checkpoint; plus the same arithmetic o
     python benchmarks/bench_trunk_quality.py --release-shaped /data/k3synth   # scripts/synth_release.py output
 
 The reference is the checkpoint with its floating weights rounded to bf16 (the release's trunk dtype; fp32
-islands kept), computed in float32. Each arm quantises that model's trunk (`openk3.quant.trunk`): int8 everywhere;
-int4 with the default promotions; int4 everywhere; and int4 on one group at a time with the rest bf16 (which
-group int4 hurts). Text: documents of the built-in corpus' validation split (the training run's own held-out
-1 %, by hash), the first `--tokens` tokens of each. Per arm, over every predicted token: KL(ref || arm) in nats,
-top-1 agreement with the reference, and the arm's bits/byte minus the reference's; 95 % intervals by bootstrap
-over documents (tokens of a document move together; `openk3.stats.mean_ci`).
+islands kept), computed in float32. Each arm quantises that model's trunk (`openk3.quant.trunk`): int8
+everywhere; int4 with the default promotions (groups of 32, 64, 128 inputs); int4 everywhere; and int4 on one
+group at a time with the rest bf16 (which group int4 hurts). Text: the built-in corpus' validation split (the
+training run's own held-out 1 %, by hash: 8 long documents), cut into `--docs` non-overlapping windows of
+`--tokens` tokens. Per arm, over every predicted token: KL(ref || arm) in nats, top-1 agreement with the
+reference, and the arm's bits/byte minus the reference's; 95 % intervals by bootstrap over windows (a window's
+tokens move together; `openk3.stats.mean_ci`).
 
 `--release-shaped DIR`: K3's real widths with random weights (they say nothing about quality): the bytes each
 format holds against the planner's per-parameter figures, and the relative error of the logits, to check the
@@ -35,7 +36,9 @@ from common import setup_threads  # noqa: E402
 
 
 def held_out_docs(tokenizer, n: int, tokens: int, val_fraction: float = 0.01, min_tokens: int = 64):
-    """[(ids, bytes per predicted token)] of the first `n` validation documents with at least `min_tokens` tokens."""
+    """[(ids, bytes per predicted token)] of the first `n` windows of `tokens` tokens (non-overlapping, the last
+    one of a document kept if >= `min_tokens`) of the validation documents (the built-in corpus' held-out 1 %: 8
+    long documents, so windows, not documents, are the unit the intervals resample)."""
     from openk3.data.corpus import iter_documents
     from openk3.data.shards import _is_val, token_byte_lengths
 
@@ -44,15 +47,14 @@ def held_out_docs(tokenizer, n: int, tokens: int, val_fraction: float = 0.01, mi
     for doc in iter_documents():
         if not _is_val(doc.text, val_fraction)[0]:
             continue
-        ids = tokenizer.encode(doc.text)[:tokens]
-        if len(ids) < min_tokens:
-            continue
-        out.append((ids, [int(nbytes[i]) for i in ids[1:]]))
-        if len(out) == n:
-            break
-    if len(out) < n:
-        raise ValueError(f"only {len(out)} held-out documents of >= {min_tokens} tokens")
-    return out
+        ids = tokenizer.encode(doc.text)
+        for i in range(0, len(ids), tokens):
+            w = ids[i:i + tokens]
+            if len(w) >= min_tokens:
+                out.append((w, [int(nbytes[t]) for t in w[1:]]))
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} held-out windows of >= {min_tokens} tokens")
 
 
 def bf16_reference(path):
@@ -98,15 +100,19 @@ def arms():
 
     yield "int8", "int8", {}
     yield "int4 (lm_head int8, default)", "int4", {}
+    yield "int4 group 64 (lm_head int8)", "int4", {"group": 64}
+    yield "int4 group 128 (lm_head int8)", "int4", {"group": 128}
     yield "int4 everywhere", "int4", {"promote": ()}
     for g in GROUPS:
         yield f"int4 on {g} only", "int4", {"promote": (), "only": (g,)}
 
 
 def quality(path: Path, n_docs: int, tokens: int) -> dict:
+    from openk3.checkpoint.load import resolve_checkpoint
     from openk3.infer.llm import _load_tokenizer
     from openk3.quant.trunk import quantize_trunk_
 
+    path = resolve_checkpoint(path)  # a run folder: its latest checkpoint (which carries the tokenizer)
     tok = _load_tokenizer(path, "")
     docs = held_out_docs(tok, n_docs, tokens)
     ref = bf16_reference(path)
@@ -141,7 +147,7 @@ def release_shaped(path: Path, tokens: int) -> dict:
     with torch.inference_mode():
         ref = load(path, dtype=torch.float32, experts="stream", expert_cache="2GB")
         linear_params = sum(m.weight.numel() for n, m in ref.named_modules()
-                            if type(m) is torch.nn.Linear and tq.group_of(n) is not None)
+                            if type(m) is torch.nn.Linear and tq.group_of(n, ref) is not None)
         want = ref(ids).double()
         del ref
         for fmt in ("int8", "int4"):
@@ -161,7 +167,7 @@ def release_shaped(path: Path, tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint", type=Path, nargs="?")
-    p.add_argument("--docs", type=int, default=64)
+    p.add_argument("--docs", type=int, default=64, help="windows of held-out text (default 64)")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--release-shaped", type=Path, default=None, metavar="DIR")
     p.add_argument("--threads", type=int, default=None)

@@ -126,7 +126,7 @@ def inventory(path, *, keep_handles: bool = False) -> tuple[Inventory, dict]:
 def load(path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu", *,
          keep_packed: bool = False, experts: str = "memory", expert_cache: int | str | None = None,
          io_threads: int = 4, direct_io: bool | None = None, trunk: str = "bf16",
-         trunk_promote: tuple[str, ...] | None = None):
+         trunk_promote: tuple[str, ...] | None = None, trunk_group: int = 32):
     """Build the model of a checkpoint folder and fill it tensor by tensor from its safetensors files.
 
     Args:
@@ -147,7 +147,8 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
         trunk: "bf16" (default: the trunk's linears as loaded, in `dtype`), "int8" or "int4": weight-only integer
             linears (`openk3.quant.trunk`), each quantised as its weight is read, so the float trunk is never
             whole in memory; `trunk_promote` names the groups int4 keeps at int8 (default
-            `openk3.quant.trunk.DEFAULT_PROMOTE`). CPU; activations stay in `dtype`.
+            `openk3.quant.trunk.DEFAULT_PROMOTE`), `trunk_group` int4's group size (32, 64, 128, 256). CPU;
+            activations stay in `dtype`.
 
     The model gets `loaded_format` (`LoadedFormat`: the experts format and MXFP4 `quantization_config`
     of the files), which `openk3.save` follows by default.
@@ -176,6 +177,8 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
     if any(g not in GROUPS for g in promote):
         raise ValueError(f"trunk_promote: unknown group(s) {[g for g in promote if g not in GROUPS]}; groups: "
                          f"{', '.join(GROUPS)}")
+    if trunk_group not in (32, 64, 128, 256):
+        raise ValueError(f"trunk_group must be 32, 64, 128 or 256, got {trunk_group!r}")
     if trunk != "bf16" and torch.device(device).type != "cpu":
         raise ValueError(f"trunk={trunk!r} runs torch's CPU integer matmuls; device must be cpu, got {device}")
     inv, handles = inventory(path, keep_handles=True)
@@ -183,10 +186,12 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
     cache = None
     try:
         loaded = LoadedFormat(fmt, copy.deepcopy(cfg.extra.get("quantization_config")) if fmt == "mxfp4" else None)
-        if stream:  # before any tensor data is read: a bad index, shard or cache size fails fast
-            from openk3.stream import attach
+        if stream:  # before any tensor data is read: a bad index or cache size fails fast
+            from openk3.stream import ExpertIndex, parse_bytes
 
-            cache = attach(inv.model, inv, expert_cache, io_threads=io_threads, direct=direct_io)
+            index = ExpertIndex.from_inventory(inv)
+            if expert_cache is not None:
+                parse_bytes(expert_cache, "expert_cache")
         packed_in_memory = fmt == "mxfp4" and keep_packed and not stream
         if fmt == "mxfp4" and not keep_packed and not stream:  # the model in memory is not quantised: no stale metadata
             cfg.extra.pop("quantization_config", None)
@@ -194,7 +199,7 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
         model, entries = inv.model, inv.entries
         trunk_dtype = dtype or TORCH_DTYPES[inv.headers[src[prefix + "model.embed_tokens.weight"]][0]]
         filler = _Filler(model, cfg, trunk_dtype, resolve_device(device), packed_in_memory, files.reads_owned_tensors(),
-                         (trunk, promote))
+                         (trunk, promote, trunk_group))
         if stream:
             entries = [e for e in entries if e.kind not in ("packed", "scale")]
         last = {wm[src[prefix + e.name]]: i for i, e in enumerate(entries)}
@@ -208,6 +213,11 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
             filler.put(e, t, name, folder / file)
             if last[file] == i:  # done with this shard: release it (and its mapping, without pread)
                 handles.pop(file).__exit__(None, None, None)
+        if stream:  # after the trunk: a default cache size sees the memory the trunk took
+            from openk3.stream import attach
+
+            cache = attach(model, index, expert_cache, io_threads=io_threads, direct=direct_io,
+                           max_scale_byte=_max_safe_scale_byte(trunk_dtype))
     except BaseException:
         if cache is not None:
             cache.close()
@@ -291,7 +301,7 @@ class _Filler:
     """Converts file tensors and assigns them into the meta model; stacks experts layer by layer."""
 
     def __init__(self, model: nn.Module, cfg: K3Config, trunk: torch.dtype, device: torch.device,
-                 packed_in_memory: bool, owned: bool, quant: tuple[str, tuple[str, ...]] = ("bf16", ())) -> None:
+                 packed_in_memory: bool, owned: bool, quant: tuple = ("bf16", (), 32)) -> None:
         self.model, self.cfg, self.trunk, self.device = model, cfg, trunk, device
         self.quant = quant  # (trunk format, groups promoted to int8): linears quantised as their weight arrives
         self.copy = not owned  # tensors that view a file mapping must be copied out of it
@@ -378,7 +388,7 @@ class _Filler:
         if self.quant[0] != "bf16" and leaf == "weight" and type(mod) is nn.Linear:
             from openk3.quant.trunk import replace_linear_
 
-            replace_linear_(self.model, mod_name, self.quant[0], self.quant[1])
+            replace_linear_(self.model, mod_name, *self.quant)
 
 
 _FINITE_CHUNK = 1 << 24  # elements checked at a time: bounds the temporary mask to 16 MB

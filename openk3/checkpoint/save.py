@@ -52,6 +52,11 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
         ValueError: on a bad argument, a model whose tensors disagree with its config, or a `path`
             that is an existing file.
     """
+    if "expert_stream" in getattr(model, "__dict__", {}) or any(
+            type(m).__name__ in ("Int8Linear", "Int4Linear") for m in model.modules()):
+        raise ValueError("this model streams its experts from disk (experts='stream') or holds an integer trunk "
+                         "(trunk='int8'/'int4'): its weights are not all here as floats; save the checkpoint it "
+                         "was loaded from, or load it with experts='memory' and trunk='bf16' first")
     loaded = getattr(model, "loaded_format", None)
     if experts_format is None:
         experts_format = loaded.experts_format if loaded is not None else "bf16"

@@ -57,6 +57,8 @@ def add_stream_arguments(p: argparse.ArgumentParser, stats: bool = True) -> None
     g.add_argument("--trunk", default="bf16", choices=("bf16", "int8", "int4"),
                    help="the non-routed linears: as stored (bf16, default), or weight-only int8 / int4 quantised while "
                         "loading (CPU; docs/inference.md measures their quality)")
+    g.add_argument("--trunk-group", type=int, default=32, choices=(32, 64, 128, 256),
+                   help="int4's group size (default 32; 64/128 hold 17/25 %% less, at some quality: docs/inference.md)")
     g.add_argument("--io", default="auto", choices=("auto", "direct", "buffered"),
                    help="O_DIRECT reads (auto: where the filesystem allows them; default auto)")
     if stats:
@@ -67,7 +69,7 @@ def add_stream_arguments(p: argparse.ArgumentParser, stats: bool = True) -> None
 def stream_kwargs(args: argparse.Namespace) -> dict:
     """LLM keyword arguments from `add_stream_arguments`' flags (ValueError for stream flags without --experts
     stream)."""
-    trunk = {} if args.trunk == "bf16" else {"trunk": args.trunk}
+    trunk = {} if args.trunk == "bf16" else {"trunk": args.trunk, "trunk_group": args.trunk_group}
     if args.experts != "stream":
         if args.expert_cache is not None or args.io != "auto":
             raise ValueError("--expert-cache and --io apply to --experts stream")

@@ -69,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--host-gbps", type=float, default=60.0, help="DRAM GB/s the CPU reads weights at (default 60)")
     d.add_argument("--cpu-gflops", type=float, default=1500.0, help="CPU matmul GFLOP/s for prefill (default 1500)")
     d.add_argument("--gpu", default=None, metavar="HW", help="a GPU of the catalogue holding the trunk (optional)")
+    d.add_argument("--trunk-group", type=int, default=32, choices=(32, 64, 128, 256),
+                   help="int4 group size of the trunk (default 32; larger groups hold less, docs/inference.md)")
     p.add_argument("--audit", action="store_true", help="recompute circulating K3 claims instead of planning")
     p.add_argument("--evidence", nargs="+", default=None, metavar="DIR",
                    help="with --audit: scaling-lab results (result.json or its folder) whose measured compute "
@@ -133,7 +135,7 @@ def _disk(args: argparse.Namespace, cfg, name: str) -> int:
     from openk3.plan.stream import DiskSpec, parse_gb, plan_disk, text
 
     spec = DiskSpec(disk_gbps=args.disk_gbps, ram_bytes=parse_gb(args.ram, "--ram"),
-                    trunk_format=args.trunk_format or "int4",
+                    trunk_format=args.trunk_format or "int4", trunk_group=args.trunk_group,
                     cache_bytes=parse_gb(args.expert_cache, "--expert-cache") if args.expert_cache else None,
                     hit_rate=args.hit_rate, host_gbps=args.host_gbps, cpu_gflops=args.cpu_gflops,
                     context=args.context, gpu=hardware.get(args.gpu) if args.gpu else None)

@@ -156,15 +156,17 @@ class LLM:
             experts on disk and reads them into a per-layer cache of `expert_cache` bytes as layers need them
             (`openk3.load`; CPU, uncompiled; tokens equal `keep_packed=True`'s bit for bit). Counters:
             `openk3.stream.stats(llm.model)`.
-        trunk: "bf16" (as loaded), "int8" or "int4": the trunk's linears as weight-only integers, quantised while
-            loading (`openk3.load`; CPU; `openk3.quant.trunk`). A checkpoint path only.
+        trunk, trunk_group: "bf16" (as loaded), "int8" or "int4" (groups of `trunk_group` inputs): the trunk's linears
+            as weight-only integers, quantised while loading (`openk3.load`; CPU; `openk3.quant.trunk`). A
+            checkpoint path only.
     """
 
     def __init__(self, path_or_model: Any, tokenizer: Any = None, *, dtype: str | torch.dtype | None = None,
                  device: str | torch.device | None = None, max_num_seqs: int = 16, max_model_len: int | None = None,
                  prefill_chunk: int = 512, compile: bool = False, keep_packed: bool = False,
                  prefix_cache: int = 0, experts: str = "memory", expert_cache: int | str | None = None,
-                 io_threads: int = 4, direct_io: bool | None = None, trunk: str = "bf16") -> None:
+                 io_threads: int = 4, direct_io: bool | None = None, trunk: str = "bf16",
+                 trunk_group: int = 32) -> None:
         dtype = resolve_dtype(dtype)
         device = resolve_device(device) if device is not None else None
         self.path: Path | None = None
@@ -197,7 +199,7 @@ class LLM:
             stream = {} if experts == "memory" else {"experts": experts, "expert_cache": expert_cache,
                                                      "io_threads": io_threads, "direct_io": direct_io}
             if trunk != "bf16":
-                stream["trunk"] = trunk
+                stream.update(trunk=trunk, trunk_group=trunk_group)
             model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed, **stream)
         else:
             raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")

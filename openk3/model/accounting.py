@@ -32,15 +32,20 @@ class ParamCounts:
 def _expert_weights(moe: SparseMoE) -> int:
     """Logical weights of a layer's routed experts, stacked or kept packed in MXFP4 (2 codes per byte)."""
     experts = moe.experts
+    if hasattr(experts, "stream_run"):  # on disk (openk3.stream): gate, up, down of every expert
+        return 3 * experts.num_experts * experts.dim * experts.hidden
     if hasattr(experts, "w1_packed"):
         return 2 * sum(getattr(experts, f"{w}_packed").numel() for w in ("w1", "w3", "w2"))
     return sum(p.numel() for p in experts.parameters())
 
 
 def _numel(module: torch.nn.Module) -> int:
-    """Stored parameters + correction biases + logical weights of MXFP4-packed experts."""
+    """Stored parameters + correction biases + logical weights of MXFP4-packed or streamed experts and of integer
+    linears (`openk3.quant.trunk`)."""
     packed = sum(_expert_weights(m) for m in module.modules()
-                 if isinstance(m, SparseMoE) and hasattr(m.experts, "w1_packed"))
+                 if isinstance(m, SparseMoE) and (hasattr(m.experts, "w1_packed") or hasattr(m.experts, "stream_run")))
+    packed += sum(m.in_features * m.out_features for m in module.modules()
+                  if type(m).__name__ in ("Int8Linear", "Int4Linear"))
     return packed + sum(p.numel() for p in module.parameters()) + sum(
         b.numel() for name, b in module.named_buffers() if name.endswith("e_score_correction_bias"))
 
@@ -58,7 +63,8 @@ def count_params(model) -> ParamCounts:
             routed += n
             routed_active += n * cfg.num_experts_per_token // cfg.num_experts
     active_emb = total - routed + routed_active
-    return ParamCounts(total=total, embedding=emb, lm_head=model.lm_head.weight.numel(), routed_experts=routed,
+    head = model.lm_head.in_features * model.lm_head.out_features
+    return ParamCounts(total=total, embedding=emb, lm_head=head, routed_experts=routed,
                        routed_active=routed_active, active=active_emb - emb, active_with_embedding=active_emb)
 
 

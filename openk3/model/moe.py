@@ -236,7 +236,8 @@ class SparseMoE(nn.Module):
                                  "(compile=False) or load the experts unpacked (keep_packed=False)")
             return moe_mxfp4_cpu.experts_mxfp4_op(z_NC, w_NK, idx_NK, *(getattr(pe, n) for n in moe_mxfp4_cpu.BUFFERS),
                                                   *self.act)
-        pairs = max(1.0, idx_NK.numel() / pe.num_experts) * torch.get_num_threads()  # per touched expert, ~
+        # pairs per expert: over all experts, at least 1 (a cheap stand-in for per touched expert, which needs a sort)
+        pairs = max(1.0, idx_NK.numel() / pe.num_experts) * torch.get_num_threads()
         use_kernel = kernel and (impl == "fused" or pairs <= MXFP4_KERNEL_MAX_PAIRS)
         if hasattr(pe, "stream_run"):  # the same choice, on bytes read from disk
             return pe.stream_run(z_NC, w_NK, idx_NK, self.glu, self.act, use_kernel)

@@ -16,9 +16,12 @@ bound (tokens of one text share experts: ports measured 2.7-3.3x fewer reads at 
 The hit rate h is the user's (`--hit-rate`) or K3's measured curve by slots per layer (`K3_HIT_CURVE`: short
 runs of three C ports, docs/inference.md cites them; uncertain, so a flag overrides it).
 
-Memory (fits): the trunk in its format, lm_head (int8 by default: K3's 2.35 GB bf16 head is read every
-token), the embedding table on disk (one row per token), the decode state at `context`, an OS/runtime reserve,
-and at least one cache slot per MoE layer; the rest of RAM is the expert cache unless `cache_bytes` says.
+Memory (fits), as `openk3.load(..., experts="stream", trunk=...)` holds it: the trunk's linears in openk3's
+integer formats (`TRUNK_BYTES`: int4 is 4-bit codes plus a float32 scale and zero per 32 weights, 0.75 bytes;
+int8 one byte plus a float32 scale per row), lm_head int8, and in the compute dtype (float32: the MXFP4 kernel's)
+what is never quantised: the embedding table, the routers, `kv_b_proj`, the AttnRes projections, vectors and
+convolutions; the decode state at `context`; an OS/runtime reserve; at least one cache slot per MoE layer. The rest
+of RAM is the expert cache unless `cache_bytes` says.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from dataclasses import asdict, dataclass
 
 from openk3.config import K3Config
 from openk3.plan import counts
-from openk3.plan.formats import weight_format
 from openk3.plan.hardware import Hardware
 from openk3.plan.serve import ServeSpec, expected_distinct_experts, memory
+
+# Bytes per weight of openk3's trunk formats (`openk3.quant.trunk`; the per-row int8 scale adds 4 / K, ~0.001)
+TRUNK_BYTES = {"bf16": 2.0, "int8": 1.0, "int4": 0.5 + 8 / 32}  # int4 at group 32; `trunk_bytes` for others
+
+
+def trunk_bytes(fmt: str, group: int = 32) -> float:
+    return 0.5 + 8 / group if fmt == "int4" else TRUNK_BYTES[fmt]
+_KEEP_FLOAT = ("kv_b_proj", "res_proj")  # read as tensors elsewhere: never quantised
 
 # (cache slots per MoE layer, hit rate) measured on K3 by ports with a per-layer LRU (next-expert-streaming.md
 # §1): colibri 12 slots/layer 16 %; waste ~26/layer 30 % (its lookahead off); kimi-k3-in-c ~62/layer (92-110 GB)
@@ -56,8 +66,10 @@ def expert_bytes_per_token(moe_layers: int, top_k: int, expert_bytes: int, hit_r
 class DiskSpec:
     disk_gbps: float = 7.0  # sustained GB/s of expert-sized reads (PCIe 4 x4 NVMe ~7; gen 3 ~3.5, gen 5 ~14)
     ram_bytes: float = 64e9
-    trunk_format: str = "int4"  # bf16 | int8 | int4 (weight-only, group scales)
+    trunk_format: str = "int4"  # bf16 | int8 | int4 (openk3's weight-only formats, TRUNK_BYTES)
     lm_head_format: str = "int8"
+    trunk_group: int = 32  # int4 group size (32, 64, 128, 256): 0.75, 0.625, 0.5625, 0.53 bytes per weight
+    compute_bytes: float = 4.0  # the compute dtype of what is never quantised (float32)
     cache_bytes: float | None = None  # None: what RAM leaves after the resident set, the state and the reserve
     hit_rate: float | None = None  # None: K3_HIT_CURVE at the cache's slots per layer
     host_gbps: float = 60.0  # DRAM bandwidth the CPU reads weights at (dual-channel DDR5 ~60-80)
@@ -73,7 +85,10 @@ class DiskSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be positive, got {v!r}")
         for name in ("trunk_format", "lm_head_format"):
-            weight_format(getattr(self, name), name.replace("_", " "))
+            if getattr(self, name) not in TRUNK_BYTES:
+                raise ValueError(f"{name} must be one of {sorted(TRUNK_BYTES)}, got {getattr(self, name)!r}")
+        if self.trunk_group not in (32, 64, 128, 256):
+            raise ValueError(f"trunk_group must be 32, 64, 128 or 256, got {self.trunk_group!r}")
         if self.hit_rate is not None and not 0 <= self.hit_rate <= 1:
             raise ValueError(f"hit_rate must be in [0, 1], got {self.hit_rate!r}")
         if self.cache_bytes is not None and not self.cache_bytes > 0:
@@ -87,10 +102,17 @@ def plan_disk(cfg: K3Config, spec: DiskSpec) -> dict:
     """Memory, fit, bytes and seconds per token, and prefill per chunk, with the experts on disk."""
     spec.validate()
     p = counts.params(cfg)
-    mem = memory(cfg, ServeSpec(context=spec.context, trunk_format=spec.trunk_format, embedding_format="bf16",
-                                prefill_chunk=spec.prefill_chunk))
-    head = p.lm_head * weight_format(spec.lm_head_format).bytes_per_value
-    trunk = mem["trunk_bytes"] + head  # the embedding table stays on disk: one row per token
+    mem = memory(cfg, ServeSpec(context=spec.context, prefill_chunk=spec.prefill_chunk))
+    head = p.lm_head * TRUNK_BYTES[spec.lm_head_format]
+    floats = quantised = 0.0
+    for t in counts.tensors(cfg):
+        if t.component in ("routed_experts", "lm_head"):
+            continue
+        if t.vector or t.fp32 or t.component in ("embedding", "router") or t.name.endswith(_KEEP_FLOAT):
+            floats += t.numel
+        else:
+            quantised += t.numel
+    trunk = quantised * trunk_bytes(spec.trunk_format, spec.trunk_group) + floats * spec.compute_bytes + head
     state = mem["cache_bytes_per_sequence"]
     expert = mem["expert_bytes_each"]
     L, k, E = counts.num_moe_layers(cfg), cfg.num_experts_per_token, cfg.num_experts
@@ -126,7 +148,7 @@ def plan_disk(cfg: K3Config, spec: DiskSpec) -> dict:
     chunk_s = max(chunk_disk, chunk_compute)
     return {
         "spec": {**asdict(spec), "gpu": spec.gpu.key if spec.gpu else None},
-        "memory": {"trunk_bytes": trunk, "lm_head_bytes": head, "embedding_on_disk_bytes": mem["embedding_bytes"] / 2,
+        "memory": {"trunk_bytes": trunk, "lm_head_bytes": head, "float_params": floats, "quantised_params": quantised,
                    "state_bytes": state, "reserve_bytes": spec.reserve_bytes, "trunk_on_gpu": gpu_holds,
                    "ram_resident_bytes": resident_ram, "expert_cache_bytes": cache, "min_cache_bytes": min_cache,
                    "routed_experts_on_disk_bytes": mem["routed_experts_bytes"], "fits": fits,
@@ -149,12 +171,15 @@ def plan_disk(cfg: K3Config, spec: DiskSpec) -> dict:
 def text(result: dict, name: str) -> str:
     m, d, pf, s = result["memory"], result["decode"], result["prefill"], result["spec"]
     gb = 1e9
+    group = f"-g{s['trunk_group']}" if s["trunk_format"] == "int4" else ""
     lines = [
         f"{name} with the routed experts on disk ({m['routed_experts_on_disk_bytes'] / gb:,.0f} GB of MXFP4), "
         f"{s['ram_bytes'] / gb:.0f} GB RAM, disk {s['disk_gbps']:g} GB/s" + (f", GPU {s['gpu']}" if s["gpu"] else ""),
-        f"  resident: trunk {s['trunk_format']} + lm_head {s['lm_head_format']} {m['trunk_bytes'] / gb:.1f} GB"
+        f"  resident: trunk {s['trunk_format']}{group}"
+        f" + lm_head {s['lm_head_format']} + {m['float_params'] / 1e9:.1f} B "
+        f"float weights (embedding, routers, kv_b_proj, vectors) {m['trunk_bytes'] / gb:.1f} GB"
         f"{' (on the GPU)' if m['trunk_on_gpu'] else ''}, state {m['state_bytes'] / gb:.2f} GB at {s['context']:,} "
-        f"tokens, reserve {m['reserve_bytes'] / gb:.0f} GB; embedding on disk",
+        f"tokens, reserve {m['reserve_bytes'] / gb:.0f} GB",
         f"  expert cache {m['expert_cache_bytes'] / gb:.1f} GB = {d['slots_per_layer']:.1f} experts per MoE layer; "
         f"hit rate {d['hit_rate']:.2f} ({d['hit_rate_source']})",
         f"  fits: {'yes' if m['fits'] else 'no: ' + m['reason']}",

@@ -38,9 +38,8 @@ GROUPS = {
     "dense_mlp": r"model\.layers\.\d+\.mlp\.(gate|up|down)_proj",
     "shared_experts": r"model\.layers\.\d+\.block_sparse_moe\.shared_experts\.(gate|up|down)_proj",
     "latent": r"model\.layers\.\d+\.block_sparse_moe\.routed_expert_(down|up)_proj",
-    "kda": r"model\.layers\.\d+\.self_attn\.(q|k|v|g|o|f_a|f_b|b|g_a|g_b)_proj",
-    "mla": r"model\.layers\.\d+\.self_attn\.(q_a|q_b|q|kv_a_proj_with_mqa|g|o)_proj|"
-           r"model\.layers\.\d+\.self_attn\.kv_a_proj_with_mqa",
+    "kda": r"model\.layers\.\d+\.self_attn\.[a-z_]+",  # a KimiDeltaAttention layer's linears
+    "mla": r"model\.layers\.\d+\.self_attn\.[a-z_]+",  # a gated MLA layer's (g_proj, o_proj: both kinds)
 }
 # Never quantised: read as tensors elsewhere, or vectors.
 _KEEP = re.compile(r".*(kv_b_proj|attn_res_proj|res_proj)$")
@@ -86,9 +85,10 @@ class Int4Linear(nn.Module):
         self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes, 1))  # uint8 [N, K/2]
         self.register_buffer("scale_zero", scale_zero)  # float32 [K/G, N, 2]
 
-    @classmethod
-    def from_linear(cls, lin: nn.Linear, group: int = INT4_GROUP) -> Int4Linear:
-        w = lin.weight.detach().float()
+    @staticmethod
+    def quantize(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes int32 [N, K] in 0..15, scale_zero float32 [K/G, N, 2]) of a float weight [N, K]."""
+        w = w.detach().float()
         N, K = w.shape
         if not int4_fits(N, K, group):
             raise ValueError(f"int4 needs the output width ({N}) a multiple of {_BLOCK_N} and the input width ({K}) "
@@ -98,13 +98,31 @@ class Int4Linear(nn.Module):
         scale = ((hi - lo) / 15).clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(N, K)
         zero = lo + 8 * scale
-        return cls(q, torch.stack([scale.t(), zero.t()], -1).contiguous(), group)
+        return q, torch.stack([scale.t(), zero.t()], -1).contiguous()
+
+    @staticmethod
+    def weight_of(codes: torch.Tensor, scale_zero: torch.Tensor, group: int) -> torch.Tensor:
+        """The float32 weight [N, K] that codes and scales stand for: the slow twin, (q - 8) * scale + zero."""
+        N, K = codes.shape
+        scale, zero = scale_zero[..., 0].t(), scale_zero[..., 1].t()  # [N, K/G]
+        return ((codes.reshape(N, K // group, group).float() - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, group: int = INT4_GROUP) -> Int4Linear:
+        return cls(*cls.quantize(lin.weight, group), group)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        N, K, G = self.out_features, self.in_features, self.group
-        scale, zero = self.scale_zero[..., 0].t(), self.scale_zero[..., 1].t()  # [N, K/G]
-        w = (unpack_cpu_int4(self.packed, N, K).reshape(N, K // G, G).float() - 8) * scale[..., None] + zero[..., None]
-        return w.reshape(N, K).to(dtype)
+        """The weight [N, K], read back through the packed matmul on slices of the identity (torch's packed
+        layout differs by CPU: AVX-512, AVX2 and the default kernels block rows differently, so it is not unpacked
+        by hand). The fallback for devices and dtypes the packed matmul does not take."""
+        K = self.in_features
+        sz = self.scale_zero.to(torch.float32)
+        cols = []
+        for k0 in range(0, K, 1024):
+            eye = torch.zeros(min(1024, K - k0), K)
+            eye[:, k0:k0 + eye.shape[0]].fill_diagonal_(1.0)
+            cols.append(torch._weight_int4pack_mm_for_cpu(eye, self.packed.cpu(), self.group, sz.cpu()))
+        return torch.cat(cols, 0).t().contiguous().to(device=self.packed.device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -117,28 +135,23 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group {self.group}"
 
 
-_BLOCK_N = 64  # torch's CPU int4 layout packs rows in blocks of 64
+_BLOCK_N = 64  # torch's CPU int4 kernels pack rows in blocks (64 on AVX-512, 32 on AVX2): a multiple of both
 
 
 def int4_fits(N: int, K: int, group: int = INT4_GROUP) -> bool:
     return N % _BLOCK_N == 0 and K % group == 0
 
 
-def unpack_cpu_int4(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """The int32 codes [N, K] that `torch._convert_weight_to_int4pack_for_cpu` packed: per block of 64 rows and per
-    input k, 32 bytes, byte j holding row j in its low nibble and row j + 32 in its high one (torch 2.13's layout;
-    tests/test_trunk_quant.py checks the round trip, so a change of layout fails there, not silently)."""
-    p = packed.reshape(N // _BLOCK_N, K, _BLOCK_N // 2).to(torch.int32)
-    lo, hi = p & 15, p >> 4  # [blocks, K, 32] each
-    return torch.cat([lo, hi], -1).permute(0, 2, 1).reshape(N, K)
-
-
-def group_of(name: str) -> str | None:
-    """The `GROUPS` key a linear's qualified name belongs to (None: not a trunk linear this module quantises)."""
+def group_of(name: str, model: nn.Module) -> str | None:
+    """The `GROUPS` key of `model`'s linear `name` (None: not a trunk linear this module quantises). An attention
+    linear's group is its layer's kind (g_proj and o_proj exist in both)."""
     if _KEEP.match(name):
         return None
     for g, pat in GROUPS.items():
         if re.fullmatch(pat, name):
+            if g in ("kda", "mla"):
+                kind = type(model.get_submodule(name.rsplit(".", 1)[0])).__name__
+                return "kda" if "Delta" in kind else "mla"
             return g
     return None
 
@@ -149,7 +162,8 @@ def quantize_trunk_(model: nn.Module, fmt: str, *, promote: tuple[str, ...] | No
     """Replace the trunk's `nn.Linear`s of `model` in place: "int8" all of them, "int4" all but the groups in
     `promote` (default `DEFAULT_PROMOTE`), which get int8; "bf16" leaves the model alone. `only` restricts the
     change to those groups (the quality gate quantises one group at a time). A linear that torch's int4 layout
-    cannot hold (`int4_fits`: rows a multiple of 64, inputs of the group) gets int8. Returns {module name: format} of what changed."""
+    cannot hold (`int4_fits`: rows a multiple of 64, inputs of the group) gets int8. Returns {module name: format}
+    of what changed."""
     if fmt not in TRUNK_FORMATS:
         raise ValueError(f"trunk must be one of {TRUNK_FORMATS}, got {fmt!r}")
     promote = DEFAULT_PROMOTE if promote is None else tuple(promote)
@@ -159,8 +173,8 @@ def quantize_trunk_(model: nn.Module, fmt: str, *, promote: tuple[str, ...] | No
     done: dict[str, str] = {}
     if fmt == "bf16":
         return done
-    for name, mod in list(model.named_modules()):
-        g = group_of(name)
+    for name, _ in list(model.named_modules()):
+        g = group_of(name, model)
         if g is None or (only is not None and g not in only):
             continue
         kind = replace_linear_(model, name, fmt, promote, group)
@@ -181,7 +195,7 @@ def replace_linear_(model: nn.Module, name: str, fmt: str, promote: tuple[str, .
     if fmt == "bf16":
         return None
     mod = model.get_submodule(name)
-    g = group_of(name)
+    g = group_of(name, model)
     if type(mod) is not nn.Linear or mod.bias is not None or g is None or mod.weight.is_meta:
         return None
     kind = "int8" if fmt == "int8" or g in promote or not int4_fits(mod.out_features, mod.in_features, group) \

@@ -14,6 +14,7 @@ the in-memory packed model (`keep_packed=True`) does.
 from __future__ import annotations
 
 import os
+import weakref
 
 from openk3.stream.cache import ExpertCache, parse_bytes
 from openk3.stream.experts import StreamedExperts
@@ -34,15 +35,14 @@ def default_cache_bytes(index: ExpertIndex) -> int:
     return max(len(index.layers) * index.slot_bytes, min(avail // 2, every))
 
 
-def attach(model, inv, expert_cache: int | str | None = None, *, io_threads: int = 4,
-           direct: bool | None = None) -> ExpertCache:
-    """Replace every MoE layer's experts of `model` (built for inventory `inv`, any device) by `StreamedExperts`
-    over one new `ExpertCache`, kept as `model.expert_stream`. Returns the cache."""
-    index = ExpertIndex.from_inventory(inv)
+def attach(model, index: ExpertIndex, expert_cache: int | str | None = None, *, io_threads: int = 4,
+           direct: bool | None = None, max_scale_byte: int = 252) -> ExpertCache:
+    """Replace every MoE layer's experts of `model` (of the checkpoint `index` describes) by `StreamedExperts` over
+    one new `ExpertCache`, kept as `model.expert_stream`. Returns the cache."""
     size = default_cache_bytes(index) if expert_cache is None else parse_bytes(expert_cache, "expert_cache")
     reader = Reader(index.folder, index.files(), threads=io_threads, direct=direct)
     try:
-        cache = ExpertCache(index, reader, size)
+        cache = ExpertCache(index, reader, size, max_scale_byte=max_scale_byte)
     except BaseException:
         reader.close()
         raise
@@ -51,6 +51,7 @@ def attach(model, inv, expert_cache: int | str | None = None, *, io_threads: int
             layer = int(name.split(".")[2])  # model.layers.{i}.block_sparse_moe
             mod.experts = StreamedExperts(cache, layer, index.num_experts, index.dim, index.hidden)
     model.__dict__["expert_stream"] = cache
+    weakref.finalize(model, cache.close)  # shard descriptors and I/O threads go with the model
     return cache
 
 

@@ -80,8 +80,12 @@ class ExpertCache:
     """`slots` cache slots over `index`'s MoE layers, filled by `reader`. `cache_bytes` is the budget: slots =
     cache_bytes // slot_bytes, at least one per MoE layer (ValueError naming the minimum otherwise)."""
 
-    def __init__(self, index: ExpertIndex, reader: Reader, cache_bytes: int, *, rebalance_every: int | None = None):
+    def __init__(self, index: ExpertIndex, reader: Reader, cache_bytes: int, *, rebalance_every: int | None = None,
+                 max_scale_byte: int = 252):
         self.index, self.reader = index, reader
+        # E8M0 scale bytes above this are refused as each read lands (255 is NaN; above ~252 the weights overflow
+        # the compute dtype): the check `load` makes for in-memory experts, made here for streamed ones
+        self.max_scale_byte = max_scale_byte
         n_layers = len(index.layers)
         slots = cache_bytes // index.slot_bytes
         if slots < n_layers:
@@ -119,23 +123,55 @@ class ExpertCache:
         assert len(experts) <= L.quota, (len(experts), L.quota)
         misses = []
         tail = set(list(L.resident)[:L.quota // 4 + 1]) if L.resident else set()
+        pinned: list[int] = []
         for e in experts:
+            self._settle(layer, e)  # a read that failed in an earlier call (never waited for) is a miss now
+        try:
+            for e in experts:
+                L.pins[e] = L.pins.get(e, 0) + 1
+                pinned.append(e)
+                if e not in L.resident:
+                    misses.append(e)
+            for e in misses:
+                slot = L.free.pop() if L.free else self._evict(layer)
+                L.resident[e] = slot
+            for e in sorted(misses, key=lambda e: self.index.loc(layer, e).first_offset):
+                L.loading[e] = self.reader.submit(self._read, layer, e, self._slot_mv(L.resident[e]))
+        except BaseException:  # nothing half-done stays: unsubmitted misses leave, the window is unpinned
+            for e in misses:
+                if e in L.resident and e not in L.loading:
+                    L.free.append(L.resident.pop(e))
+            self._unpin(L, pinned)
+            raise
+        for e in experts:  # counted once the window is in place
             L.stats.requests += 1
-            L.pins[e] = L.pins.get(e, 0) + 1
-            if e in L.resident:
+            if e in misses:
+                L.stats.reads += 1
+                L.stats.ghost_hits += e in L.ghosts
+            else:
                 L.stats.hits += 1
                 L.stats.tail_hits += e in tail
                 L.resident.move_to_end(e)
-            else:
-                misses.append(e)
-        for e in misses:
-            if e in L.ghosts:
-                L.stats.ghost_hits += 1
-            slot = L.free.pop() if L.free else self._evict(layer)
-            L.resident[e] = slot
-            L.stats.reads += 1
-        for e in sorted(misses, key=lambda e: self.index.loc(layer, e).first_offset):
-            L.loading[e] = self.reader.submit(self.index.loc(layer, e).extents, self._slot_mv(L.resident[e]))
+
+    def _read(self, layer: int, e: int, slot_mv: memoryview) -> None:
+        """On an I/O thread: the expert's extents into its slot, then its scale bytes checked."""
+        loc = self.index.loc(layer, e)
+        self.reader.read(loc.extents, slot_mv)
+        C, I = self.index.dim, self.index.hidden
+        buf = memoryview(slot_mv).cast("B")
+        for k, n in ((1, I * C // 32), (3, I * C // 32), (5, C * I // 32)):
+            o = loc.tensor_offsets[k]
+            scales = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=o)
+            if int(scales.max()) > self.max_scale_byte:
+                pos = o + int((scales > self.max_scale_byte).nonzero()[0])
+                x = next(x for x in loc.extents if x.region + x.pad <= pos < x.region + x.pad + x.length)
+                at = x.offset + pos - x.region - x.pad
+                byte = int(scales[pos - o])
+                what = ("(E8M0 NaN); refusing to produce NaN weights" if byte == 255 else
+                        f"(2^{byte - 127}: weights too large for the compute dtype, whose limit is byte "
+                        f"{self.max_scale_byte}); refusing to produce inf")
+                raise ExpertReadError(f"{self.index.folder / x.file}: MXFP4 scale byte {byte} {what} at offset {at} "
+                                      f"(layer {layer}, expert {e})")
 
     def ready(self, layer: int, e: int) -> bool:
         f = self.layers[layer].loading.get(e)
@@ -151,9 +187,11 @@ class ExpertCache:
             try:
                 f.result()
             except BaseException:
-                del L.loading[e]
-                slot = L.resident.pop(e)
-                L.free.append(slot)
+                # A failed read: its slot holds nothing, free it. Interrupted while the read is still in flight
+                # (Ctrl-C): it stays `loading`, so the slot is not reused under it; the next wait settles it.
+                if f.done() and f.exception() is not None:
+                    del L.loading[e]
+                    L.free.append(L.resident.pop(e))
                 raise
             finally:
                 self.stall_seconds += time.perf_counter() - t0
@@ -162,16 +200,19 @@ class ExpertCache:
         return L.resident[e]
 
     def release(self, layer: int, experts: list[int]) -> None:
-        L = self.layers[layer]
-        for e in experts:
-            n = L.pins[e] - 1
-            if n:
-                L.pins[e] = n
-            else:
-                del L.pins[e]
+        self._unpin(self.layers[layer], experts)
         self._calls += 1
         if self._calls % self.rebalance_every == 0 and not any(x.pins or x.loading for x in self.layers.values()):
             self.rebalance()
+
+    @staticmethod
+    def _unpin(L: _Layer, experts: list[int]) -> None:
+        for e in experts:
+            n = L.pins.get(e, 0) - 1
+            if n > 0:
+                L.pins[e] = n
+            else:
+                L.pins.pop(e, None)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Slot `slot`'s bytes (uint8 [slot_bytes], a view of the cache)."""
@@ -182,9 +223,25 @@ class ExpertCache:
 
     # ---- eviction and quotas -------------------------------------------------------------------------------
 
+    def _settle(self, layer: int, e: int) -> None:
+        """A finished read of expert e not yet waited for: done (table row set) or failed (slot freed)."""
+        L = self.layers[layer]
+        f = L.loading.get(e)
+        if f is None or not f.done():
+            return
+        del L.loading[e]
+        if f.exception() is not None:
+            L.free.append(L.resident.pop(e))
+        else:
+            L.table[e] = self.index.tensor_offsets[layer][e] + (self.base_address + L.resident[e] * self.slot_bytes)
+
     def _evict(self, layer: int) -> int:
         """The least-recent unpinned, loaded expert of `layer` leaves; its slot is returned."""
         L = self.layers[layer]
+        for e in [e for e in L.loading if e not in L.pins]:
+            self._settle(layer, e)
+        if L.free:
+            return L.free.pop()
         for e in L.resident:
             if e not in L.pins and e not in L.loading:
                 slot = L.resident.pop(e)
@@ -193,6 +250,13 @@ class ExpertCache:
                 while len(L.ghosts) > L.quota:
                     L.ghosts.popleft()
                 return slot
+        for e in [e for e in L.loading if e not in L.pins]:  # only reads in flight left (after an interrupt):
+            try:  # the first to land gives its slot
+                L.loading[e].result()
+            except Exception:  # noqa: BLE001 - a failed read frees its slot just the same (`_settle`)
+                pass
+            self._settle(layer, e)
+            return self._evict(layer)
         raise AssertionError(f"layer {layer}: every slot is pinned (quota {L.quota})")
 
     def _give_slot(self, donor: int) -> int:
@@ -244,6 +308,7 @@ class ExpertCache:
         return self._mv[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
 
     def close(self) -> None:
+        """Stop the I/O threads and close the shards (reads in flight finish first). Idempotent."""
         for L in self.layers.values():
             for f in L.loading.values():
                 f.cancel()

@@ -21,6 +21,7 @@ from openk3.ops import moe_mxfp4_cpu
 from openk3.ops.moe import Glu
 from openk3.quant.mxfp4 import SCALE_NAN, unpack
 from openk3.stream.cache import ExpertCache
+from openk3.stream.io import ExpertReadError
 
 
 class StreamedExperts(nn.Module):
@@ -57,7 +58,9 @@ class StreamedExperts(nn.Module):
             from openk3.model.packed_experts import experts_packed
 
             return experts_packed(z_NC, w_NK, idx_NK, call, glu, z_NC.dtype)
-        except ValueError as e:
+        except ExpertReadError:
+            raise
+        except ValueError as e:  # the kernel's or the dequantiser's own check (the read-time one came first)
             if "scale byte 255" in str(e):
                 raise call.nan_scale_error() from None
             raise
@@ -149,14 +152,8 @@ class _Call:
                           f"produce NaN weights")
 
     def close(self) -> None:
-        """Release what is still pinned (also after an error): unread experts of the window are waited for, so
-        no read lands in a slot after it is reused."""
-        for e in self.window:
-            try:
-                self.cache.wait(self.layer, e)
-            except Exception:  # noqa: BLE001 - an error already raised for this call, or reported on the next
-                pass
-        if self.window:
-            window, self.window = self.window, []
-            still = [e for e in window if e in self.cache.layers[self.layer].pins]
-            self.cache.release(self.layer, still)
+        """Release what is still pinned (also after an error). Reads still in flight stay `loading` in the cache
+        (never evicted until they land), so unpinning here cannot let a slot be reused under a read."""
+        window, self.window = self.window, []
+        if window:
+            self.cache.release(self.layer, window)

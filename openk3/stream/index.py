@@ -92,14 +92,20 @@ def shard_header(path: Path) -> tuple[int, dict]:
         raise ValueError(f"{path}: the safetensors header (offset 8) is not JSON ({e})") from None
     start = 8 + n
     out = {}
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}: the safetensors header (offset 8) is not a JSON object")
     for name, info in meta.items():
         if name == "__metadata__":
             continue
-        b, e = info["data_offsets"]
+        try:
+            b, e = (int(v) for v in info["data_offsets"])
+            dtype, shape = info["dtype"], info["shape"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{path}: tensor {name} has no valid dtype/shape/data_offsets in the header") from None
         if not (0 <= b <= e and start + e <= size):
             raise ValueError(f"{path}: tensor {name} points outside the file: bytes {start + b}..{start + e} of a "
                              f"{size}-byte file (a truncated shard?)")
-        out[name] = (info["dtype"], info["shape"], start + b, start + e)
+        out[name] = (dtype, shape, start + b, start + e)
     return start, out
 
 

@@ -64,11 +64,12 @@ class Reader:
     def buffered_files(self) -> list[str]:
         return [f for f, (_, d) in self._fds.items() if not d]
 
-    def submit(self, extents: tuple[Extent, ...], slot_mv: memoryview) -> Future:
-        """Read every extent into its region of `slot_mv` (one cache slot, ALIGN-aligned) on a pool thread."""
-        return self._pool.submit(self._read_all, extents, slot_mv)
+    def submit(self, fn, *args) -> Future:
+        """Run `fn(*args)` on a pool thread (`read` and whatever checks the caller adds)."""
+        return self._pool.submit(fn, *args)
 
-    def _read_all(self, extents: tuple[Extent, ...], slot_mv: memoryview) -> None:
+    def read(self, extents: tuple[Extent, ...], slot_mv: memoryview) -> None:
+        """Read every extent into its region of `slot_mv` (one cache slot, ALIGN-aligned)."""
         t0 = time.perf_counter()
         n = sum(self._read(x, slot_mv) for x in extents)
         with self._lock:
