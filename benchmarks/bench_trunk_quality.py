@@ -139,7 +139,7 @@ def _row(name: str, r: dict) -> str:
 def release_shaped(path: Path, tokens: int) -> dict:
     """Full-width arithmetic: trunk bytes per format against the planner, logits' relative error vs bf16 weights."""
     from openk3.checkpoint import load
-    from openk3.plan.formats import weight_format
+    from openk3.plan.stream import trunk_bytes
     from openk3.quant import trunk as tq
 
     ids = torch.randint(3, 1000, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -155,10 +155,10 @@ def release_shaped(path: Path, tokens: int) -> dict:
             got = model(ids).double()
             held = tq.nbytes(model)
             out[fmt] = {"linear_params": linear_params, "bytes": held, "bytes_per_param": held / linear_params,
-                        "planner_bytes_per_param": weight_format(fmt).bytes_per_value,
+                        "planner_bytes_per_param": trunk_bytes(fmt),
                         "logits_rel_error": float((got - want).norm() / want.norm())}
             print(f"{fmt}: {held / 1e9:.3f} GB for {linear_params / 1e9:.3f} B linear weights "
-                  f"({held / linear_params:.4f} B/param; planner {weight_format(fmt).bytes_per_value:.4f}); "
+                  f"({held / linear_params:.4f} B/param; planner {trunk_bytes(fmt):.4f}); "
                   f"logits rel. error {out[fmt]['logits_rel_error']:.4f}", flush=True)
             del model
     return out
