@@ -25,12 +25,25 @@ __all__ = ["ExpertCache", "ExpertIndex", "ExpertReadError", "Reader", "StreamedE
            "default_cache_bytes", "parse_bytes", "stats"]
 
 
-def default_cache_bytes(index: ExpertIndex) -> int:
-    """Half the memory available now, at most every expert (and at least one per MoE layer)."""
+def available_memory() -> int:
+    """Bytes the kernel says can be taken without swapping (MemAvailable: free plus reclaimable page cache)."""
     try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
-        avail = 8 << 30
+        return 8 << 30
+
+
+def default_cache_bytes(index: ExpertIndex) -> int:
+    """Half the memory available now (after the trunk has loaded), at most every expert, at least one per MoE
+    layer."""
+    avail = available_memory()
     every = len(index.layers) * index.num_experts * index.slot_bytes
     return max(len(index.layers) * index.slot_bytes, min(avail // 2, every))
 
