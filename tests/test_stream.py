@@ -341,7 +341,9 @@ def test_generate_cli_streams_with_stats(ckpts, capsys):
 
 
 @needs_kernel
-def test_server_metrics_show_the_expert_cache(ckpts):
+@pytest.mark.parametrize("in_thread", [True, False], ids=["engine-thread", "engine-process"])
+def test_server_metrics_show_the_expert_cache(ckpts, in_thread):
+    """/metrics carries the expert cache's counters, from an engine thread and from the engine's own process."""
     import functools
 
     import httpx
@@ -351,7 +353,7 @@ def test_server_metrics_show_the_expert_cache(ckpts):
     from openk3.serve import create_app
 
     build = functools.partial(LLM, str(ckpts["release"]), experts="stream", expert_cache="1MB")
-    app = create_app(build, served_model_name="nano-stream", engine_in_thread=True)
+    app = create_app(build, served_model_name="nano-stream", engine_in_thread=in_thread)
     with served(app) as url:
         client = OpenAI(base_url=url + "/v1", api_key="none")
         r = client.completions.create(model="nano-stream", prompt="Hi", max_tokens=3, temperature=0)
