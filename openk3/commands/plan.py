@@ -131,12 +131,16 @@ def main(args: argparse.Namespace) -> int:
 
 def _disk(args: argparse.Namespace, cfg, name: str) -> int:
     """--experts-on disk: `openk3.plan.stream`."""
+    from openk3.config_types import parse_bytes
     from openk3.plan import hardware
-    from openk3.plan.stream import DiskSpec, parse_gb, plan_disk, text
+    from openk3.plan.stream import DiskSpec, plan_disk, text
 
-    spec = DiskSpec(disk_gbps=args.disk_gbps, ram_bytes=parse_gb(args.ram, "--ram"),
+    def gb(value: str, what: str) -> int:  # a bare number is GB here
+        return parse_bytes(value, what, bare_unit=10**9)
+
+    spec = DiskSpec(disk_gbps=args.disk_gbps, ram_bytes=gb(args.ram, "--ram"),
                     trunk_format=args.trunk_format or "int4", trunk_group=args.trunk_group,
-                    cache_bytes=parse_gb(args.expert_cache, "--expert-cache") if args.expert_cache else None,
+                    cache_bytes=gb(args.expert_cache, "--expert-cache") if args.expert_cache else None,
                     hit_rate=args.hit_rate, host_gbps=args.host_gbps, cpu_gflops=args.cpu_gflops,
                     context=args.context, gpu=hardware.get(args.gpu) if args.gpu else None)
     result = plan_disk(cfg, spec)

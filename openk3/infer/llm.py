@@ -196,11 +196,11 @@ class LLM:
             if (experts == "stream" or trunk != "bf16") and compile:
                 raise ValueError("experts='stream' and an integer trunk decode uncompiled: drop compile=True "
                                  "(--compile)")
-            stream = {} if experts == "memory" else {"experts": experts, "expert_cache": expert_cache,
-                                                     "io_threads": io_threads, "direct_io": direct_io}
+            load_kw = {} if experts == "memory" else {"experts": experts, "expert_cache": expert_cache,
+                                                      "io_threads": io_threads, "direct_io": direct_io}
             if trunk != "bf16":
-                stream.update(trunk=trunk, trunk_group=trunk_group)
-            model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed, **stream)
+                load_kw.update(trunk=trunk, trunk_group=trunk_group)
+            model = load(self.path, dtype=dtype, device=device, keep_packed=keep_packed, **load_kw)
         else:
             raise TypeError(f"LLM needs a checkpoint path or a K3ForCausalLM, got {type(path_or_model).__name__}")
         if isinstance(tokenizer, (str, os.PathLike)):

@@ -26,7 +26,6 @@ of RAM is the expert cache unless `cache_bytes` says.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from openk3.config import K3Config
@@ -192,18 +191,3 @@ def text(result: dict, name: str) -> str:
         f"on reads)",
     ]
     return "\n".join(lines) + "\n"
-
-
-def parse_gb(value: str, what: str) -> float:
-    """"64GB", "64", "1.5TB", "64GiB" -> bytes (plain numbers are GB)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?)?\s*", str(value), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"{what}: cannot read {value!r} as a size (e.g. 64GB, 1.5TB)")
-    unit = (m[2] or "GB").upper().rstrip("B") or "G"
-    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    v = float(m[1]) * scale
-    if not v > 0 or math.isinf(v):
-        raise ValueError(f"{what} must be positive, got {value!r}")
-    return v

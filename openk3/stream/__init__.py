@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import weakref
 
-from openk3.stream.cache import ExpertCache, parse_bytes
+from openk3.config_types import parse_bytes
+from openk3.stream.cache import ExpertCache
 from openk3.stream.experts import StreamedExperts
 from openk3.stream.index import ExpertIndex
 from openk3.stream.io import ExpertReadError, Reader

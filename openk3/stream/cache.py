@@ -23,7 +23,6 @@ seconds (summed over I/O threads).
 from __future__ import annotations
 
 import mmap
-import re
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future
@@ -33,25 +32,6 @@ import torch
 
 from openk3.stream.index import ExpertIndex
 from openk3.stream.io import ExpertReadError, Reader
-
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9, "T": 10**12,
-          "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_bytes(value: int | str, what: str = "size") -> int:
-    """"22GB", "1.5 GiB", "500MB", "4096" or an int -> bytes (decimal units unless they say iB). ValueError naming
-    `what` otherwise."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        n = value
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-        unit = m[2].upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(f"{what}: cannot read {value!r} as a size (e.g. 22GB, 1.5GiB, 500MB or bytes)")
-        n = int(float(m[1]) * _UNITS[unit])
-    if n <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
-    return n
 
 
 @dataclass
@@ -65,8 +45,7 @@ class LayerStats:
 
 @dataclass
 class _Layer:
-    quota: int
-    slots: list[int] = field(default_factory=list)  # owned slot ids (len == quota)
+    quota: int  # slots this layer owns: those of `resident` plus `free`
     free: list[int] = field(default_factory=list)  # owned, empty
     resident: OrderedDict = field(default_factory=OrderedDict)  # expert -> slot, least recent first
     loading: dict = field(default_factory=dict)  # expert -> Future of its read
@@ -108,8 +87,8 @@ class ExpertCache:
             q = per + (i < extra)
             ids = list(range(next_slot, next_slot + q))
             next_slot += q
-            self.layers[layer] = _Layer(q, ids, list(reversed(ids)), table=torch.zeros(index.num_experts, 6,
-                                                                                       dtype=torch.int64))
+            self.layers[layer] = _Layer(q, list(reversed(ids)), table=torch.zeros(index.num_experts, 6,
+                                                                                  dtype=torch.int64))
 
     # ---- the call protocol: acquire a window, wait for its experts in order, release ---------------------
 
@@ -158,10 +137,9 @@ class ExpertCache:
         loc = self.index.loc(layer, e)
         self.reader.read(loc.extents, slot_mv)
         C, I = self.index.dim, self.index.hidden
-        buf = memoryview(slot_mv).cast("B")
         for k, n in ((1, I * C // 32), (3, I * C // 32), (5, C * I // 32)):
             o = loc.tensor_offsets[k]
-            scales = torch.frombuffer(buf, dtype=torch.uint8, count=n, offset=o)
+            scales = torch.frombuffer(slot_mv, dtype=torch.uint8, count=n, offset=o)
             if int(scales.max()) > self.max_scale_byte:
                 pos = o + int((scales > self.max_scale_byte).nonzero()[0])
                 x = next(x for x in loc.extents if x.region + x.pad <= pos < x.region + x.pad + x.length)
@@ -186,17 +164,11 @@ class ExpertCache:
             t0 = time.perf_counter()
             try:
                 f.result()
-            except BaseException:
-                # A failed read: its slot holds nothing, free it. Interrupted while the read is still in flight
-                # (Ctrl-C): it stays `loading`, so the slot is not reused under it; the next wait settles it.
-                if f.done() and f.exception() is not None:
-                    del L.loading[e]
-                    L.free.append(L.resident.pop(e))
-                raise
             finally:
                 self.stall_seconds += time.perf_counter() - t0
-            del L.loading[e]
-            L.table[e] = self.index.tensor_offsets[layer][e] + (self.base_address + L.resident[e] * self.slot_bytes)
+                # done: the table row set, or a failed read's slot freed (its error raises on). Interrupted while
+                # the read is still in flight (Ctrl-C): it stays `loading`, so the slot is not reused under it.
+                self._settle(layer, e)
         return L.resident[e]
 
     def release(self, layer: int, experts: list[int]) -> None:
@@ -262,7 +234,6 @@ class ExpertCache:
     def _give_slot(self, donor: int) -> int:
         L = self.layers[donor]
         slot = L.free.pop() if L.free else self._evict(donor)
-        L.slots.remove(slot)
         L.quota -= 1
         return slot
 
@@ -278,10 +249,8 @@ class ExpertCache:
             donor = min(donors, key=lambda k: ls[k].stats.tail_hits)
             if ls[recv].stats.ghost_hits > ls[donor].stats.tail_hits:
                 slot = self._give_slot(donor)
-                R = ls[recv]
-                R.slots.append(slot)
-                R.free.append(slot)
-                R.quota += 1
+                ls[recv].free.append(slot)
+                ls[recv].quota += 1
                 moved = True
         for x in ls.values():
             x.stats.ghost_hits //= 2
@@ -315,4 +284,4 @@ class ExpertCache:
         self.reader.close()
 
 
-__all__ = ["ExpertCache", "ExpertReadError", "LayerStats", "parse_bytes"]
+__all__ = ["ExpertCache", "ExpertReadError", "LayerStats"]

@@ -7,7 +7,8 @@ output row summed expert by expert. A layer call runs in windows of at most its 
 within a window, each run of consecutive experts whose bytes are in goes to the kernel at once
 (`experts_mxfp4_table` over that id range, accumulating), so cached experts compute while later ones are read.
 `prefetch` (called by `SparseMoE` right after routing) starts the first window's reads before the latent
-projection and the shared experts run.
+projection and the shared experts run. Scale bytes were checked as each read landed (`ExpertCache`), so the
+kernel's and the dequantiser's own NaN-scale checks never fire on streamed experts.
 
 Legend: N tokens, C expert width (latent), I expert hidden width, E experts, K top-k.
 """
@@ -19,9 +20,8 @@ import torch.nn as nn
 
 from openk3.ops import moe_mxfp4_cpu
 from openk3.ops.moe import Glu
-from openk3.quant.mxfp4 import SCALE_NAN, unpack
+from openk3.quant.mxfp4 import unpack
 from openk3.stream.cache import ExpertCache
-from openk3.stream.io import ExpertReadError
 
 
 class StreamedExperts(nn.Module):
@@ -58,12 +58,6 @@ class StreamedExperts(nn.Module):
             from openk3.model.packed_experts import experts_packed
 
             return experts_packed(z_NC, w_NK, idx_NK, call, glu, z_NC.dtype)
-        except ExpertReadError:
-            raise
-        except ValueError as e:  # the kernel's or the dequantiser's own check (the read-time one came first)
-            if "scale byte 255" in str(e):
-                raise call.nan_scale_error() from None
-            raise
         finally:
             call.close()
 
@@ -101,7 +95,6 @@ class _Call:
                 self.cache.wait(self.layer, w[j])
                 j += 1
             self.done = j
-            self.last = w[i:j]
             yield w[i], w[j - 1] + 1
             if j == len(w):
                 self._next_window()
@@ -109,47 +102,17 @@ class _Call:
     def dequant(self, e: int, dtype: torch.dtype):
         """Expert e's (w1 [I, C], w3 [I, C], w2 [C, I]) in `dtype` from its slot (experts_packed's call)."""
         while e not in self.window[self.done:]:
-            if self.done < len(self.window):
-                self.done = len(self.window)
             self._next_window()
             if not self.window:
                 raise AssertionError(f"expert {e} is not among this call's experts")
         self.done = self.window.index(e) + 1
-        self.last = [e]
         slot = self.cache.wait(self.layer, e)
         raw = self.cache.slot_tensor(slot)
         off = self.cache.index.tensor_offsets[self.layer][e].tolist()
         C, I = self.owner.dim, self.owner.hidden
         shapes = ((I, C // 2), (I, C // 32), (I, C // 2), (I, C // 32), (C, I // 2), (C, I // 32))
         t = [raw[o:o + r * c].view(r, c) for o, (r, c) in zip(off, shapes, strict=True)]
-        try:
-            return unpack(t[0], t[1], dtype), unpack(t[2], t[3], dtype), unpack(t[4], t[5], dtype)
-        except ValueError as err:
-            if "255" in str(err):
-                raise self.nan_scale_error() from None
-            raise
-
-    def nan_scale_error(self) -> ValueError:
-        """A ValueError naming the file and offset of the first scale byte 255 among the experts last handed out."""
-        idx = self.cache.index
-        for e in getattr(self, "last", []):
-            loc = idx.loc(self.layer, e)
-            slot = self.cache.layers[self.layer].resident.get(e)
-            if slot is None:
-                continue
-            raw = self.cache.slot_tensor(slot)
-            C, I = self.owner.dim, self.owner.hidden
-            for k, n in ((1, I * C // 32), (3, I * C // 32), (5, C * I // 32)):
-                o = loc.tensor_offsets[k]
-                hit = (raw[o:o + n] == SCALE_NAN).nonzero()
-                if hit.numel():
-                    pos = o + int(hit[0])
-                    x = next(x for x in loc.extents if x.region + x.pad <= pos < x.region + x.pad + x.length)
-                    file_off = x.offset + pos - x.region - x.pad
-                    return ValueError(f"{idx.folder / x.file}: MXFP4 scale byte 255 (E8M0 NaN) at offset {file_off} "
-                                      f"(layer {self.layer}, expert {e}); refusing to produce NaN weights")
-        return ValueError(f"MXFP4 scale byte 255 (E8M0 NaN) in a routed expert of layer {self.layer}; refusing to "
-                          f"produce NaN weights")
+        return unpack(t[0], t[1], dtype), unpack(t[2], t[3], dtype), unpack(t[4], t[5], dtype)
 
     def close(self) -> None:
         """Release what is still pinned (also after an error). Reads still in flight stay `loading` in the cache

@@ -155,13 +155,6 @@ class ExpertIndex:
                 out[loc.extents[0].pad] = out.get(loc.extents[0].pad, 0) + 1
         return dict(sorted(out.items()))
 
-    def reads_per_expert(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for row in self._locs.values():
-            for loc in row:
-                out[len(loc.extents)] = out.get(len(loc.extents), 0) + 1
-        return out
-
     @classmethod
     def from_inventory(cls, inv) -> ExpertIndex:
         """The index of an inventoried MXFP4 checkpoint (`openk3.checkpoint.load.inventory`)."""
