@@ -30,6 +30,7 @@ COMMANDS = {
     "sft": "fine-tune a checkpoint on chat JSONL (loss on assistant channels only), resumable, with checkpoints",
     "demo": "quick smoke test: build a model, train it on a counting task, check cached decode against full forwards",
     "convert": "rewrite a checkpoint: routed experts bf16 <-> MXFP4, kimi_k3 wrapper <-> bare config",
+    "export": "write a checkpoint for other tools: transformers (hf: auto_map + tokenizer.json) or vLLM (vllm)",
     "tokenizer": "train a small tiktoken-format tokenizer with K3's special tokens",
     "template": "render an OpenAI-style chat request (stdin JSON) in the XTML chat format",
     "parse": "parse a generated completion (stdin) into reasoning, content and tool calls",

@@ -529,6 +529,18 @@ def k3() -> K3Config:
                       moe_inter=3072, block=12, max_pos=1048576)
 
 
+def vllm_tiny() -> K3Config:
+    """A K3-form model (every K3 feature) at head shapes vLLM's kernels take: K3's own MLA and KDA head dims
+    (kv_lora_rank 512, rope 64, nope/v 128, KDA head_dim 128) as in vLLM's tiny-K3 test, 8 heads (tensor parallel
+    up to 8), 4 layers (3 KDA + 1 MLA), small's vocabulary; MLA latent norms at rms_norm_eps, as vLLM computes
+    them. For whoever checks `openk3 export vllm` on a GPU (docs/ecosystem.md); the shape limits are read from
+    vLLM's tests, not documented by vLLM."""
+    cfg = _k3_family(vocab=8192, hidden=512, layers=4, kda_heads=8, kda_dim=128, mla_heads=8, q_lora=384,
+                     kv_lora=512, nope=128, rope=64, v=128, dense=1024, experts=16, topk=4, latent=256,
+                     moe_inter=128, block=2, max_pos=8192)
+    return cfg.replace(mla_latent_norm_eps=cfg.rms_norm_eps)
+
+
 def kimi_linear_48b() -> K3Config:
     """moonshotai/Kimi-Linear-48B-A3B: softplus gate, low-rank output gate, no AttnRes, SwiGLU, plain MoE."""
     return K3Config(
@@ -563,6 +575,7 @@ PRESETS = {
     "base": base,
     "k3": k3,
     "kimi-linear-48b": kimi_linear_48b,
+    "vllm-tiny": vllm_tiny,
 }
 
 

@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint", "data"),  # release-format folders and run checkpoints; corpora, token shards, loaders
     ("parallel",),  # FSDP2 / EP / PP / activation checkpointing, applied from outside the model
     ("train",),  # the run loop and pretraining
-    ("infer", "agent"),  # engine and LLM; sandboxes, tools, task families
+    ("infer", "agent", "hf"),  # engine and LLM; sandboxes, tools, task families; transformers/PEFT adapter
     ("serve",),  # the OpenAI-compatible server
     ("posttrain", "scaling"),  # SFT, RL, MOPD, merging, evaluation; the scaling lab's families, ladders, fits
     ("experiments",),  # each claim as an experiment with a control and intervals

@@ -193,6 +193,7 @@ def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str, dtype: to
     """(config.json, generation_config.json) contents for a save. `quantization_config`: the one to
     write with MXFP4 experts (default the release's, `mxfp4_quantization_config()`)."""
     text = cfg.to_dict()
+    text.pop("auto_map", None)
     text.pop("quantization_config", None)  # never a stale one: it follows the experts format written
     if experts_format == "mxfp4":
         text["quantization_config"] = copy.deepcopy(quantization_config or mxfp4_quantization_config())
@@ -203,8 +204,10 @@ def config_files(cfg: K3Config, *, wrapper: bool, experts_format: str, dtype: to
     pad = _token(cfg, "pad_token_id")
     if wrapper:
         kept = copy.deepcopy(cfg.extra.get("_wrapper", {}))
+        # (auto_map: another code's classes (Moonshot's remote code) that would not load these files; an export
+        # that ships its own shims writes its own, openk3.hf.export)
         for k in ("architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
-                  "tie_word_embeddings", "text_config", "quantization_config"):
+                  "tie_word_embeddings", "text_config", "quantization_config", "auto_map"):
             kept.pop(k, None)
         for k in ("dtype", "torch_dtype"):
             if k in kept:

@@ -14,8 +14,18 @@ from openk3.checkpoint.layout import EXPERTS_FORMATS, PREFIX, Entry, config_file
 from openk3.checkpoint.runs import STATE_FILE  # a training checkpoint's optimizer state: `carried_files` skips it
 from openk3.common import resolve_dtype
 from openk3.fsutil import naming
+from openk3.peers import check_kimi_linear_form
 
 SAVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def kimi_linear_form(cfg) -> bool:
+    """Whether transformers' native KimiLinear computes this config's model (no K3-only feature)."""
+    try:
+        check_kimi_linear_form(cfg)
+    except ValueError:
+        return False
+    return True
 
 
 def writes_itself(name: str) -> bool:
@@ -33,7 +43,9 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
             e.g. tokenizer files, are carried over).
         wrapper: True = top-level `kimi_k3` config.json and `language_model.`-prefixed tensors (the
             release); False = bare `kimi_linear` config (Kimi-Linear-48B style). None = wrapper iff
-            the config uses K3-only Block AttnRes or was read from a wrapper.
+            the config uses any K3-only feature (a bare file of it would open in transformers' native
+            KimiLinear with K3's tensors unexpected and its own initialised at random) or was read from a
+            wrapper.
         experts_format: "bf16" (routed experts as `dtype` floats) or "mxfp4" (compressed-tensors
             `weight_packed`/`weight_scale`, spec §6; experts held packed are written bit for bit,
             float experts are quantised with `openk3.quant.mxfp4.pack`, which gives back the exact
@@ -76,7 +88,7 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
     if cfg is None:
         raise ValueError(f"save expects an openk3 K3ForCausalLM (with .config), got {type(model).__name__}")
     if wrapper is None:
-        wrapper = cfg.use_attn_res or "_wrapper" in cfg.extra
+        wrapper = cfg.use_attn_res or "_wrapper" in cfg.extra or not kimi_linear_form(cfg)
     prefix = PREFIX if wrapper else ""
     sources = _Sources(model, dtype)
     items = [(prefix + e.name, e.shape, e.disk_dtype(dtype), sources.producer(e)) for e in layout(cfg, experts_format)]

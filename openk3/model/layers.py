@@ -79,6 +79,24 @@ def _lives_in(params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
     return start == buffer.storage_offset() + buffer.numel()
 
 
+def linear_weight(m: nn.Module) -> torch.Tensor:
+    """The weight [out, in] that linear-like module `m` applies, for code that uses a projection's matrix rather
+    than calling it (MLA's `kv_b_proj`, the AttnRes pseudo-queries). An `nn.Linear` gives its `weight`.
+    Anything else (a PEFT LoRA wrapper, whose `.weight` is the *base* weight without the adapter) is probed: the
+    module applied to the identity rows is W^T exactly (each output sums one product with 1 and zeros), plus
+    whatever the wrapper adds, with autograd, so an adapter trains and decodes through these uses as well."""
+    if isinstance(m, nn.Linear):  # (FSDP2 makes subclasses of the modules it wraps)
+        return m.weight
+    base = m
+    while not isinstance(base, nn.Linear) and hasattr(base, "base_layer"):
+        base = base.base_layer
+    if not isinstance(base, nn.Linear) or base.bias is not None:
+        raise ValueError(f"{type(m).__name__}: expected a bias-free linear layer (or a wrapper of one)")
+    w = base.weight
+    eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+    return m(eye).t()
+
+
 class RMSNorm(nn.Module):
     """K3's RMSNorm (spec §4.1): statistics in fp32, cast back to the input dtype, *then* times weight."""
 

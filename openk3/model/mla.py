@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from openk3.config import K3Config
 from openk3.model.cache import MLAState
-from openk3.model.layers import RMSNorm
+from openk3.model.layers import RMSNorm, linear_weight
 from openk3.ops import mla as mla_ops
 from openk3.ops import rope as rope_ops
 
@@ -97,20 +97,23 @@ class GatedMLA(nn.Module):
             ckv_BSC, kpe_BSR, mask = state.extend(ckv_BTC, kpe_BTR)
         else:
             ckv_BSC, kpe_BSR = ckv_BTC, kpe_BTR
+        # (the matrix, not the module: MLA folds it into keys/values or, absorbed, into queries and outputs;
+        # `linear_weight` sees a LoRA adapter wrapped around it)
+        w_kv_b = linear_weight(self.kv_b_proj)
         if state is None and impl == "naive" and seg_BT is not None:
             # packed rows: one causal attention per document (exact: the masked form's other-document keys
             # get probability 0), at the cost of the squared document lengths instead of T^2
-            o_BTHV = mla_ops.mla_attention_documents(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, seg_BT=seg_BT,
+            o_BTHV = mla_ops.mla_attention_documents(q_BTHD, ckv_BSC, kpe_BSR, w_kv_b, seg_BT=seg_BT,
                                                      v_head_dim=self.dv, scale=self.scale)
         elif state is None and impl == "naive":  # plain causal attention: the fused kernel where it is exact
-            o_BTHV = mla_ops.mla_attention_causal(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv,
+            o_BTHV = mla_ops.mla_attention_causal(q_BTHD, ckv_BSC, kpe_BSR, w_kv_b, v_head_dim=self.dv,
                                                   scale=self.scale)
         else:
             if state is None:  # the absorbed form without a cache: the causal (block-diagonal) mask, built here
                 mask = None if T == 1 and seg_BT is None else mla_ops.attention_mask(
                     T, T, doc_q_BT=seg_BT, doc_k_BS=seg_BT, device=x_BTD.device)
             attn = mla_ops.mla_attention_absorbed if impl == "absorbed" else mla_ops.mla_attention_naive
-            o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, self.kv_b_proj.weight, v_head_dim=self.dv, scale=self.scale,
+            o_BTHV = attn(q_BTHD, ckv_BSC, kpe_BSR, w_kv_b, v_head_dim=self.dv, scale=self.scale,
                           mask_BTS=mask)
         o_BTP = o_BTHV.reshape(B, T, H * self.dv)
         if hasattr(self, "g_proj"):

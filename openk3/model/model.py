@@ -17,7 +17,7 @@ from openk3.common import upcast
 from openk3.config import K3Config
 from openk3.model.cache import DenseCache
 from openk3.model.kda import KimiDeltaAttention
-from openk3.model.layers import GluMLP, RMSNorm, make_glu
+from openk3.model.layers import GluMLP, RMSNorm, linear_weight, make_glu
 from openk3.model.mla import GatedMLA
 from openk3.model.moe import SparseMoE
 from openk3.ops.attnres import attn_res_mix
@@ -30,7 +30,7 @@ FP32_NAMES = ("conv1d.weight", "A_log", "dt_bias", "self_attn.o_norm.weight", "e
 
 def _query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """An AttnRes site's pseudo-query: gamma * w folds the key norm's gain in (spec §4.3 step 3)."""
-    return upcast(norm.weight) * upcast(proj.weight[0])
+    return upcast(norm.weight) * upcast(linear_weight(proj)[0])  # (probed when LoRA wraps it)
 
 
 class DecoderLayer(nn.Module):

@@ -124,6 +124,54 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
+    def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per expert the gate, up and down weights transposed for `x @ w` ([C, I], [C, I], [I, C]): views of the
+        parameters, so no write to them can leave these stale. Cached until the weights get new storage."""
+        ex = self
+
+        def build():
+            return tuple(list(w.detach().transpose(1, 2).unbind(0)) for w in (ex.w1, ex.w3, ex.w2))
+
+        return cached_on(self, "expert_views", [ex.w1, ex.w3, ex.w2], build)
+
+    def forward(self, z_NC: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, glu, act: tuple,
+                impl: str = "auto") -> torch.Tensor:
+        """Latent rows z [N, C] through each row's top-k experts (`idx_NK`, gates `w_NK`) -> r [N, C], weighted sum.
+
+        A module call, not a function of `SparseMoE`: PEFT's LoRA on the stacked weights (`target_parameters`) is
+        applied only while the wrapped module runs, so reading `w1` from outside it would silently skip the
+        adapter. `glu`/`act`: the activation and its recipe (name, beta, linear beta); `impl`: see
+        `SparseMoE.forward`.
+        """
+        ex, N, top_k = self, z_NC.shape[0], idx_NK.shape[1]
+        if impl == "auto":
+            E, I, C = ex.w1.shape
+            fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, act[0]) and _fused_available()
+            if torch.compiler.is_compiling():
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z_NC, w_NK, ex.w1, ex.w3, ex.w2))
+                impl = compiled_impl(N, top_k, E, I, C, fused=fused, grad=grad)
+            elif fused and N * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
+                impl = "fused"
+            else:
+                impl = "sparse" if N <= 4 else "grouped"
+        if impl == "fused" and not torch.compiler.is_compiling():  # (ctypes cannot be traced: the op)
+            r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+        elif impl in ("fused", "fused_op"):
+            r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+        elif impl == "gather":
+            r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+        elif impl == "dense":
+            r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+        elif impl == "grouped_op":
+            r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+        elif impl == "sparse":
+            views = self.decode_views() if not torch.is_grad_enabled() else None
+            r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu, views=views)
+        else:
+            experts = {"grouped": moe_ops.experts_grouped, "loop": moe_ops.experts_loop}[impl]
+            r_NC = experts(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+        return r_NC
+
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: K3Config, glu) -> None:
@@ -148,16 +196,6 @@ class SparseMoE(nn.Module):
         self.experts = Experts(cfg.num_experts, C, cfg.moe_intermediate_size)
         if cfg.num_shared_experts:
             self.shared_experts = GluMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, glu)
-
-    def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Per expert the gate, up and down weights transposed for `x @ w` ([C, I], [C, I], [I, C]): views of the
-        parameters, so no write to them can leave these stale. Cached until the weights get new storage."""
-        ex = self.experts
-
-        def build():
-            return tuple(list(w.detach().transpose(1, 2).unbind(0)) for w in (ex.w1, ex.w3, ex.w2))
-
-        return cached_on(self, "expert_views", [ex.w1, ex.w3, ex.w2], build)
 
     def forward(self, x_BTD: torch.Tensor, *, impl: str = "auto") -> torch.Tensor:
         """x: normed MoE input [B, T, D] -> [B, T, D].
@@ -185,34 +223,8 @@ class SparseMoE(nn.Module):
             r_NC = self.dispatcher(z_NC, w_NK, idx_NK, self.experts, self.glu)
         elif streamed or hasattr(self.experts, "w1_packed"):  # MXFP4 kept packed (model/packed_experts.py)
             r_NC = self._packed_experts(z_NC, w_NK, idx_NK, impl)
-        else:
-            ex = self.experts
-            if impl == "auto":
-                E, I, C = ex.w1.shape
-                fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, self.act[0]) and _fused_available()
-                if torch.compiler.is_compiling():
-                    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z_NC, w_NK, ex.w1, ex.w3, ex.w2))
-                    impl = compiled_impl(B * T, self.top_k, E, I, C, fused=fused, grad=grad)
-                elif fused and B * T * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
-                    impl = "fused"
-                else:
-                    impl = "sparse" if B * T <= 4 else "grouped"
-            if impl == "fused" and not torch.compiler.is_compiling():  # (ctypes cannot be traced: the op)
-                r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
-            elif impl in ("fused", "fused_op"):
-                r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
-            elif impl == "gather":
-                r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
-            elif impl == "dense":
-                r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
-            elif impl == "grouped_op":
-                r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *self.act)
-            elif impl == "sparse":
-                views = self.decode_views() if not torch.is_grad_enabled() else None
-                r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu, views=views)
-            else:
-                experts = {"grouped": moe_ops.experts_grouped, "loop": moe_ops.experts_loop}[impl]
-                r_NC = experts(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, self.glu)
+        else:  # (a module call: PEFT's LoRA on the stacked weights is active only inside it)
+            r_NC = self.experts(z_NC, w_NK, idx_NK, self.glu, self.act, impl)
         if hasattr(self, "routed_expert_norm"):
             r_NC = self.routed_expert_norm(r_NC)  # on the weighted aggregate, before the up-projection
         out_ND = self.routed_expert_up_proj(r_NC) if hasattr(self, "routed_expert_up_proj") else r_NC

@@ -69,7 +69,7 @@ def experts_sparse(x_NC: torch.Tensor, weights_NK: torch.Tensor, idx_NK: torch.T
     are read in place, never gathered) and runs the activation once for all of them.
 
     Cost is O(selected experts) small matmuls instead of one per expert of the layer, which is what a
-    batch of 1-4 decode tokens needs. `views` (see `SparseMoE.decode_views`): per expert, the gate, up and
+    batch of 1-4 decode tokens needs. `views` (see `Experts.decode_views`): per expert, the gate, up and
     down weights already transposed ([C, I], [C, I], [I, C]), which saves indexing and transposing them at
     every step. Same arguments and result as `experts_loop`.
     """
