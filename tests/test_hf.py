@@ -119,6 +119,36 @@ def test_save_pretrained_writes_the_release_format(ckpt, tmp_path):
     assert all(torch.equal(back.state_dict()[k], v) for k, v in ref.state_dict().items())
 
 
+def test_the_release_wrapper_with_remote_code_fields_opens_here(ckpt, tmp_path):
+    """The release's config.json names Moonshot's remote code (`auto_map`) and carries a vision tower: after
+    `import openk3.hf` the local classes win without trust_remote_code, the vision tensors are set aside, and a
+    save drops the stale `auto_map` but keeps the other towers' config."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "release"
+    shutil.copytree(ckpt, d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_kimi_k3.KimiK3Config",
+                       "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration"}
+    raw["vision_config"] = {"model_type": "moonvit", "hidden_size": 32}
+    raw["media_placeholder_token_id"] = 300
+    (d / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(d / "model.safetensors")
+    tensors["vision_tower.patch_embed.weight"] = torch.ones(4, 4)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    hf, info = _hf(d, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, openk3.load(ckpt, dtype=torch.float32)(ids))
+    hf.save_pretrained(tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "auto_map" not in out and out["vision_config"] == raw["vision_config"]
+    assert out["media_placeholder_token_id"] == 300
+
+
 def test_mxfp4_experts_load_exactly(ckpt_mxfp4):
     hf = _hf(ckpt_mxfp4)
     ref = openk3.load(ckpt_mxfp4, dtype=torch.float32)
@@ -303,6 +333,72 @@ def test_merge_and_unload_keeps_logits_and_tokens(ckpt):
     assert torch.equal(seq[:, 9:], tokens)
 
 
+def test_linear_weight_of_a_lora_layer_is_base_plus_delta_without_a_probe(ckpt):
+    from openk3.model.layers import linear_weight
+
+    pm = _lora(_hf(ckpt))
+    _randomise_lora_b(pm, seed=2)
+    kv_b = pm.base_model.model.language_model.model.layers[3].self_attn.kv_b_proj
+    res = pm.base_model.model.language_model.model.layers[2].mlp_res_proj
+    for m in (kv_b, res):
+        eye = torch.eye(m.in_features)
+        called = []
+        handle = m.register_forward_hook(lambda *a, seen=called: seen.append(1))
+        w = linear_weight(m)
+        handle.remove()
+        assert not called  # (no identity-matrix probe: at K3's width it would be 7168 x 7168 per AttnRes site)
+        torch.testing.assert_close(w, m(eye).t(), rtol=1e-5, atol=1e-6)
+        assert not torch.equal(w, m.base_layer.weight)
+    from peft import LoraConfig, get_peft_model
+
+    biased = get_peft_model(_hf(ckpt), LoraConfig(r=2, lora_bias=True, target_modules=["kv_b_proj"]))
+    with pytest.raises(ValueError, match="lora_bias"):
+        biased(input_ids=_ids())
+
+
+def test_expert_adapters_leave_no_copy_of_the_experts_behind(ckpt):
+    pm = _lora(_hf(ckpt))
+    _randomise_lora_b(pm, seed=4)
+    moe = pm.base_model.model.language_model.model.layers[1].block_sparse_moe
+    ids = _ids(1, 3)
+    with torch.no_grad():
+        pm(input_ids=ids)
+        z = torch.randn(2, moe.experts.get_base_layer().w1.shape[2])
+        w, idx = torch.full((2, 2), 0.5), torch.tensor([[0, 1], [2, 3]])
+        lora_out = moe.experts(z, w, idx, moe.glu, moe.act, "sparse")
+        base = moe.experts.get_base_layer()
+        assert "expert_views" not in base.__dict__.get("_decode_cache", {})  # (views of W + delta: a 2nd copy)
+        plain = base(z, w, idx, moe.glu, moe.act, "sparse")  # (the base alone caches views of its parameters)
+    assert not torch.equal(lora_out, plain)  # the adapter is on in the sparse (decode) path
+
+
+def test_from_pretrained_arguments(ckpt, tmp_path):
+    hf = _hf(ckpt, use_cache=False)
+    assert hf.config.use_cache is False
+    other = AutoConfig.from_pretrained(ckpt)
+    other.text_config.num_experts_per_token = 1
+    with pytest.raises(ValueError, match="another model"):
+        _hf(ckpt, config=other)
+    with pytest.raises(ValueError, match="unsupported arguments"):
+        _hf(ckpt, num_experts_per_token=1)
+    import shutil
+
+    shutil.copytree(ckpt, tmp_path / "sub")
+    assert _hf(tmp_path, subfolder="sub").language_model.config == openk3.checkpoint.read_config(ckpt)
+    with pytest.raises(ValueError, match="output_hidden_states"):
+        hf(_ids(), output_hidden_states=True)
+
+
+def test_resized_embeddings_save_and_load(ckpt, tmp_path):
+    hf = _hf(ckpt)
+    hf.resize_token_embeddings(V + 64)
+    assert hf.language_model.config.vocab_size == V + 64 and hf.config.text_config.vocab_size == V + 64
+    hf.save_pretrained(tmp_path / "big")
+    back = openk3.load(tmp_path / "big", dtype=torch.float32)
+    assert back.lm_head.weight.shape[0] == V + 64
+    assert back.config.eos_token_id == openk3.checkpoint.read_config(ckpt).eos_token_id  # ids do not move
+
+
 def test_saving_a_model_with_adapter_layers_is_refused(ckpt, tmp_path):
     pm = _lora(_hf(ckpt))
     with pytest.raises(ValueError, match="adapter"):
@@ -354,6 +450,14 @@ def test_trainer_lora_lowers_the_loss_and_leaves_the_base_alone(ckpt, tmp_path):
                 if "lora_" not in k}
     for k, v in base.items():
         assert torch.equal(base_now[k], v), k
+    # the adapter as PEFT saves it, on a fresh base: the same model
+    from peft import PeftModel
+
+    pm.save_pretrained(tmp_path / "adapter")
+    again = PeftModel.from_pretrained(_hf(ckpt), tmp_path / "adapter")
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, pm.eval()(input_ids=ids).logits)
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(ckpt):
@@ -386,6 +490,14 @@ def test_trainer_resume_restores_stacked_experts_exactly(ckpt, tmp_path):
     expert = "language_model.model.layers.1.block_sparse_moe.experts.w1"
     assert not torch.equal(fresh.state_dict()[expert], trained[expert])  # training moved the experts
     Trainer(model=fresh, args=args, train_dataset=_Rows())._load_from_checkpoint(str(saved))
+    for k, v in trained.items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    # sharded (a layer's experts split across shards, read shard by shard): the same
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(sharded, max_shard_size=200_000)
+    assert len(list(sharded.glob("model-*.safetensors"))) > 3
+    fresh = _hf(ckpt)
+    Trainer(model=fresh, args=args, train_dataset=_Rows())._load_from_checkpoint(str(sharded))
     for k, v in trained.items():
         assert torch.equal(fresh.state_dict()[k], v), k
 

@@ -70,7 +70,8 @@ def test_export_hf_loads_with_remote_code_only_and_encodes_as_openk3(src, tmp_pa
             torch.save(m(ids).logits, {str(tmp_path / 'logits.pt')!r})
         out = m.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
         tok = AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=True)
-        chat = tok.apply_chat_template({REQUEST['messages']!r}, tools={REQUEST['tools']!r})["input_ids"]
+        chat = tok.apply_chat_template({REQUEST['messages']!r}, tools={REQUEST['tools']!r},
+                                       add_generation_prompt=True)["input_ids"]
         print(json.dumps({{"gen": out[0, {len(ids)}:].tolist(), "chat": list(chat), "cls": type(tok).__name__}}))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -88,7 +89,9 @@ def test_export_hf_loads_with_remote_code_only_and_encodes_as_openk3(src, tmp_pa
 
 def test_export_vllm_writes_every_field_vllm_reads(src, tmp_path):
     out = tmp_path / "vllm"
+    assert cli(["export", "hf", str(src), str(out)]) == 0  # over an earlier hf export: its shims must go
     assert cli(["export", "vllm", str(src), str(out)]) == 0
+    assert not list(out.glob("*_openk3.py"))
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "kimi_k3" and cfg["architectures"] == ["KimiK3ForConditionalGeneration"]
     assert "auto_map" not in cfg and not (out / "modeling_openk3.py").exists()

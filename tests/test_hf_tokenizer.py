@@ -236,15 +236,16 @@ def test_apply_chat_template_equals_xtml(tok, k3, name):
     request, options = CHATS[name]
     segments = render(request)
     want = encode_segments(segments, tok)
-    got = k3.apply_chat_template(request["messages"], tools=request.get("tools"), **options)  # (transformers 5: a dict)
+    got = k3.apply_chat_template(request["messages"], tools=request.get("tools"), add_generation_prompt=True,
+                                 **options)  # (transformers 5: a dict)
     assert got["input_ids"] == want.ids
     assert k3.apply_chat_template(request["messages"], tools=request.get("tools"), tokenize=False,
-                                  **options) == render_text(segments)
+                                  add_generation_prompt=True, **options) == render_text(segments)
     out = k3.apply_chat_template(request["messages"], tools=request.get("tools"), return_dict=True,
-                                 return_assistant_tokens_mask=True, **options)
+                                 add_generation_prompt=True, return_assistant_tokens_mask=True, **options)
     assert out["input_ids"] == want.ids and out["attention_mask"] == [1] * len(want.ids)
     assert out["assistant_masks"] == [int(m) for m in want.mask]
-    no_prompt = k3.apply_chat_template(request["messages"], tools=request.get("tools"), add_generation_prompt=False,
+    no_prompt = k3.apply_chat_template(request["messages"], tools=request.get("tools"),  # (the default: False)
                                        return_dict=False, **options)
     assert no_prompt == encode_segments(render({**request, "add_generation_prompt": False}), tok).ids
 
@@ -252,16 +253,16 @@ def test_apply_chat_template_equals_xtml(tok, k3, name):
 def test_apply_chat_template_batch_and_tensors(tok, k3):
     chats = [CHATS["system-user"][0]["messages"], CHATS["reasoning"][0]["messages"]]
     want = [encode_segments(render({"messages": c}), tok) for c in chats]
-    assert k3.apply_chat_template(chats, return_dict=False) == [w.ids for w in want]
+    assert k3.apply_chat_template(chats, return_dict=False, add_generation_prompt=True) == [w.ids for w in want]
     batch = k3.apply_chat_template(chats, return_dict=True, padding=True, return_tensors="pt",
-                                   return_assistant_tokens_mask=True)
+                                   add_generation_prompt=True, return_assistant_tokens_mask=True)
     n = max(len(w.ids) for w in want)
     assert batch["input_ids"].shape == (2, n) and batch["assistant_masks"].shape == (2, n)
     for row, w in enumerate(want):
         assert batch["input_ids"][row, :len(w.ids)].tolist() == w.ids
         assert batch["attention_mask"][row].sum().item() == len(w.ids)
         assert batch["assistant_masks"][row, :len(w.ids)].tolist() == [int(m) for m in w.mask]
-    cut = k3.apply_chat_template(chats[0], truncation=True, max_length=7, return_dict=False)
+    cut = k3.apply_chat_template(chats[0], truncation=True, max_length=7, return_dict=False, add_generation_prompt=True)
     assert cut == want[0].ids[:7]
 
 
@@ -314,7 +315,8 @@ def _same_as_openk3(hf, tok) -> None:
     assert hf.encode(text, add_special_tokens=False) == tok.encode(text, allow_special=True)
     assert hf.encode(text, add_special_tokens=False, split_special_tokens=True) == tok.encode(text)
     request, options = CHATS["typed-markers"]
-    assert hf.apply_chat_template(request["messages"], return_dict=False, **options) == encode_segments(render(request),
+    assert hf.apply_chat_template(request["messages"], return_dict=False, add_generation_prompt=True,
+                                  **options) == encode_segments(render(request),
                                                                                          tok).ids
     ids = tok.encode(text, allow_special=True)
     assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special=True)
@@ -441,7 +443,8 @@ for trust in (False, None):
 # (the shim imports openk3.hf, which registers K3TokenizerFast: from here on no remote code is needed)
 t = AutoTokenizer.from_pretrained(remote_dir, trust_remote_code=True)
 res["trusted"] = [c.__module__ + "." + c.__name__ for c in type(t).__mro__[:2]]
-res["trusted_chat"] = t.apply_chat_template([{"role": "user", "content": "hi <|open|>"}], return_dict=False)
+res["trusted_chat"] = t.apply_chat_template([{"role": "user", "content": "hi <|open|>"}], return_dict=False,
+                                           add_generation_prompt=True)
 with open(result_file, "w", encoding="utf-8") as fh:  # stdout also carries transformers' trust prompt
     json.dump(res, fh)
 """

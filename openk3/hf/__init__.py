@@ -28,18 +28,19 @@ _registered = False
 
 
 def register() -> None:
-    """Register `kimi_k3` with AutoConfig, AutoModelForCausalLM (and AutoModel), AutoTokenizer and transformers'
+    """Register `kimi_k3` with AutoConfig, AutoModelForCausalLM, AutoTokenizer and transformers'
     weight-conversion table (per-expert release tensors <-> stacked experts). Idempotent; run on import."""
     global _registered
     if _registered:
         return
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
     from transformers.core_model_loading import MergeModulelist, WeightConverter
 
     AutoConfig.register("kimi_k3", KimiK3Config, exist_ok=True)
     AutoModelForCausalLM.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
-    AutoModel.register(KimiK3Config, KimiK3ForConditionalGeneration, exist_ok=True)
+    # (not AutoModel: that names a model without its head, returning hidden states, which K3 with Block AttnRes
+    # does not expose per layer; KimiK3ForConditionalGeneration is the head model)
     # openk3's loader reads the folders (from_pretrained); the table tells transformers' own tools (state-dict
     # conversion, reverting names on save) that the release stores routed experts one by one.
     register_checkpoint_conversion_mapping("KimiK3ForConditionalGeneration", [

@@ -24,7 +24,6 @@ from typing import Any
 #: transformers' auto classes -> the shim modules an exported folder ships.
 AUTO_MAP = {
     "AutoConfig": "configuration_openk3.KimiK3Config",
-    "AutoModel": "modeling_openk3.KimiK3ForConditionalGeneration",
     "AutoModelForCausalLM": "modeling_openk3.KimiK3ForConditionalGeneration",
 }
 SHIMS = {
@@ -103,6 +102,13 @@ def _write(src, out, tokenizer, experts_format: str | None, dtype, *, remote_cod
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if not remote_code:  # an earlier `export hf` into OUT left its shims (swap_in keeps files it does not write)
+        from openk3.hf.tokenizer import REMOTE_CODE_FILE, remove_own_shim
+
+        remove_own_shim(str(out / REMOTE_CODE_FILE))
+        for name, text in SHIMS.items():
+            if (out / name).is_file() and (out / name).read_text() == text:
+                (out / name).unlink()
     return out
 
 

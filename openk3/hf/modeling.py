@@ -89,32 +89,42 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
     # -- loading and saving through openk3 ----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, dtype=None, torch_dtype=None,
-                        device_map=None, output_loading_info: bool = False, **kwargs):
+                        device_map=None, output_loading_info: bool = False, subfolder: str = "", **kwargs):
         """Open a local K3 checkpoint folder (release-format, bf16 or MXFP4 experts; wrapper or bare config) with
         `openk3.load`. `dtype`: a torch dtype, its name, or "auto"/None (as stored); islands stay fp32.
-        `device_map`: None, a device ("cpu", "cuda:0") or {"": device}; the model is not split across devices."""
-        for key in ("trust_remote_code", "local_files_only", "revision", "cache_dir", "use_safetensors",
-                    "low_cpu_mem_usage", "attn_implementation", "subfolder", "_from_auto", "_from_pipeline",
-                    "adapter_kwargs", "token", "force_download", "proxies", "code_revision"):
+        `device_map`: None, a device ("cpu", "cuda:0") or {"": device}; the model is not split across devices.
+        `config`: must describe the folder's model (edit its config.json to change the model); keyword
+        arguments may set config attributes that do not change the model (`use_cache`, ...)."""
+        for key in _IGNORED_LOAD_ARGS:
             kwargs.pop(key, None)
+        overrides = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_ONLY_ARGS}
         if model_args or kwargs:
             raise ValueError(f"KimiK3ForConditionalGeneration.from_pretrained: unsupported arguments "
-                             f"{sorted(kwargs) or list(model_args)}")
-        path = Path(pretrained_model_name_or_path)
+                             f"{sorted(kwargs) or list(model_args)} (a model field changes in the folder's "
+                             f"config.json, not here)")
+        path = Path(pretrained_model_name_or_path) / subfolder
         if not path.exists():
             raise ValueError(f"{path}: no such folder; openk3.hf opens local checkpoint folders only (download it "
                              f"first, e.g. `hf download REPO --local-dir DIR`)")
         dtype = dtype if dtype is not None else torch_dtype
-        device = _device_of(device_map)
         from openk3.checkpoint import load
 
-        lm = load(path, dtype=None if dtype in (None, "auto") else dtype, device=device)
-        hf_config = config if isinstance(config, KimiK3Config) else KimiK3Config.from_k3(lm.config)
+        lm = load(path, dtype=None if dtype in (None, "auto") else dtype, device=_device_of(device_map))
+        if isinstance(config, KimiK3Config):
+            if _model_fields(config.to_k3()) != _model_fields(lm.config):
+                raise ValueError(f"config= describes another model than {path / 'config.json'}; to change the "
+                                 f"model, edit that file (or build one with KimiK3ForConditionalGeneration(config))")
+            hf_config = config
+        elif config is None:
+            hf_config = KimiK3Config.from_k3(lm.config)
+        else:
+            raise ValueError(f"config must be a KimiK3Config, got {type(config).__name__}")
+        for key, value in overrides.items():
+            setattr(hf_config, key, value)
         hf_config.name_or_path = str(pretrained_model_name_or_path)
         model = cls(hf_config, language_model=lm)
         model.eval()  # (as transformers' from_pretrained leaves a model)
-        gen = path / "generation_config.json"
-        if gen.is_file():
+        if (path / "generation_config.json").is_file():
             from transformers import GenerationConfig
 
             model.generation_config = GenerationConfig.from_pretrained(str(path))
@@ -132,17 +142,41 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
 
     def save_pretrained(self, save_directory: str | os.PathLike, *, experts_format: str = "bf16",
                         dtype: torch.dtype | str | None = None, max_shard_size: int | str | None = None,
-                        state_dict: dict | None = None, **kwargs) -> None:
+                        state_dict: dict | None = None, is_main_process: bool = True, **kwargs) -> None:
         """Write the release's format with `openk3.save` (wrapper config, `language_model.` names, per-expert
         tensors). `experts_format`: "bf16" (routed experts unquantised, in `dtype`: exact) or "mxfp4" (the
-        release's quantisation). `dtype`: None keeps the model's. Other transformers arguments are accepted and
-        ignored (safe_serialization: always safetensors; a `state_dict` given by a Trainer is this model's)."""
+        release's quantisation). `dtype`: None keeps the model's. `is_main_process` False writes nothing (the
+        other ranks of a distributed run). A `state_dict` (a Trainer passes one) is only accepted when it is this
+        model's own, unsharded: a sharded run (FSDP, ZeRO-3) saves with openk3's distributed checkpoints
+        (docs/distributed.md). Other transformers arguments (safe_serialization, ...) are accepted and ignored:
+        the files are always safetensors."""
         from openk3.checkpoint import save
         from openk3.config_types import parse_bytes
 
-        shard = parse_bytes(max_shard_size, "max_shard_size", "B") if max_shard_size is not None else 5 * 2**30
-        save(_plain_model(self), save_directory, wrapper=True, experts_format=experts_format,
-                    dtype=dtype if dtype is not None else "auto", max_shard_bytes=shard)
+        if not is_main_process:
+            return
+        lm = _plain_model(self)
+        if state_dict is not None:
+            own = self.state_dict()
+            if state_dict.keys() != own.keys() or any(type(v) is not torch.Tensor or v.data_ptr() != own[k].data_ptr()
+                                                      for k, v in state_dict.items()):
+                raise ValueError("save_pretrained(state_dict=...) with tensors other than this model's own (a sharded "
+                                 "or gathered copy): save the model itself, or use openk3's distributed checkpoints")
+        shard = (5 * 2**30 if max_shard_size is None else max_shard_size if isinstance(max_shard_size, int)
+                 else parse_bytes(max_shard_size, "max_shard_size", "B"))
+        save(lm, save_directory, wrapper=True, experts_format=experts_format,
+             dtype=dtype if dtype is not None else "auto", max_shard_bytes=shard)
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize, then the K3 config follows (vocab_size; special ids keep their ids)."""
+        emb = super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
+        cfg = self.language_model.config
+        vocab = emb.weight.shape[0]
+        if vocab != cfg.vocab_size:
+            new = cfg.replace(vocab_size=vocab, eos_token_id=cfg.eos_token_id, extra=cfg.extra)
+            self.language_model.config = self.language_model.model.config = new
+            self.config.text_config.vocab_size = vocab
+        return emb
 
     # -- gradient checkpointing ---------------------------------------------------------------------------------
     def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
@@ -182,7 +216,11 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         each starts a document. `use_cache` (default: only when `past_key_values` is given; `generate` turns it on)
         returns a `K3Cache` to continue from.
         """
-        for key in ("cache_position", "output_attentions", "output_hidden_states", "return_dict"):
+        if kwargs.pop("output_hidden_states", None) or kwargs.pop("output_attentions", None):
+            raise ValueError("output_hidden_states / output_attentions are not supported: with Block AttnRes a K3 "
+                             "layer has no residual stream to report; for the final hidden states call "
+                             "model.language_model.model(input_ids)")
+        for key in ("cache_position", "return_dict"):
             kwargs.pop(key, None)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
@@ -217,6 +255,22 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1], **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+
+
+# from_pretrained arguments about where files come from (openk3 reads local folders) or how transformers' own
+# loader works: accepted and ignored.
+_IGNORED_LOAD_ARGS = ("trust_remote_code", "local_files_only", "revision", "cache_dir", "use_safetensors",
+                      "low_cpu_mem_usage", "attn_implementation", "_from_auto", "_from_pipeline", "adapter_kwargs",
+                      "token", "force_download", "proxies", "code_revision", "key_mapping")
+# ... and config attributes that do not change the model, set on the config as transformers does.
+_CONFIG_ONLY_ARGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
+
+
+def _model_fields(cfg) -> dict:
+    """A K3Config's fields that decide the model (metadata and the wrapper's other towers left out)."""
+    meta = ("dtype", "torch_dtype", "transformers_version", "quantization_config", "_name_or_path", "auto_map",
+            "bos_token_id", "pad_token_id")
+    return {k: v for k, v in cfg.to_dict().items() if k not in meta}
 
 
 def _device_of(device_map) -> str | torch.device:
@@ -294,11 +348,20 @@ def _stack_experts_hook(module, state_dict, prefix, local_metadata, strict, miss
             groups.setdefault(prefix + m.group(1) + m.group(3), {})[int(m.group(2))] = state_dict.pop(key)
     params = dict(module.named_parameters())
     for name, parts in groups.items():
+        p = params.get(name[len(prefix):])
         ids = sorted(parts)
-        if ids != list(range(len(ids))):
-            error_msgs.append(f"{name}: experts {ids[:3]}... are not 0..{len(ids) - 1}")
-            continue
-        state_dict[name] = torch.stack([parts[e] for e in ids])
+        if p is None:  # not this model's: left for load_state_dict to report as unexpected
+            state_dict.update({f"{name[:-2]}{e}.{name[-2:]}.weight": parts[e] for e in ids})
+        elif ids == list(range(p.shape[0])):  # every expert: load_state_dict copies (and checks) the stack
+            state_dict[name] = torch.stack([parts[e] for e in ids])
+        else:  # part of a layer's experts (a sharded checkpoint read shard by shard): copied in place
+            with torch.no_grad():
+                for e in ids:
+                    if e >= p.shape[0] or parts[e].shape != p.shape[1:]:
+                        error_msgs.append(f"{name}: expert {e} of shape {list(parts[e].shape)} does not fit "
+                                          f"{list(p.shape)}")
+                    else:
+                        p[e].copy_(parts[e])
     for key in [k for k in state_dict if k.endswith("A_log")]:
         local = key[len(prefix):]
         p = params.get(local)

@@ -216,11 +216,11 @@ def save_hf_tokenizer(tok: Tokenizer, out_dir: str | os.PathLike, *, remote_code
         write_atomic(shim, _SHIM.encode("utf-8"))
         paths[REMOTE_CODE_FILE] = shim
     else:
-        _remove_own_shim(shim)
+        remove_own_shim(shim)
     return list(paths.values())
 
 
-def _remove_own_shim(path: str) -> None:
+def remove_own_shim(path: str) -> None:
     """A shim left by an earlier `remote_code=True` save is removed (the config no longer names it); a file of
     that name with other content is the user's and stays."""
     try:
@@ -427,7 +427,7 @@ class K3TokenizerFast(PreTrainedTokenizerFast):
         mask = [int(s.train) for s, piece in zip(segments, encoded) for _ in piece]
         return ids, mask
 
-    def apply_chat_template(self, conversation, tools=None, add_generation_prompt: bool = True, tokenize: bool = True,
+    def apply_chat_template(self, conversation, tools=None, add_generation_prompt: bool = False, tokenize: bool = True,
                             return_dict: bool = True, *, documents=None, chat_template: str | None = None,
                             continue_final_message: bool = False, padding=False, truncation: bool = False,
                             max_length: int | None = None, return_tensors=None,
@@ -437,7 +437,8 @@ class K3TokenizerFast(PreTrainedTokenizerFast):
 
         Returns, as transformers 5 does, a dict with input_ids and attention_mask (and `assistant_masks`: XTML's
         loss mask, with `return_assistant_tokens_mask`); the ids alone with `return_dict=False`; the prompt text
-        with `tokenize=False`. `add_generation_prompt` defaults to true, as in `openk3.chat.xtml.render`.
+        with `tokenize=False`. `add_generation_prompt` defaults to false, as transformers' does (a training
+        example gets no trailing assistant header); pass True to prompt the model (`xtml.render`'s default).
         Other keyword arguments go into the XTML request: thinking / enable_thinking, thinking_effort /
         reasoning_effort, tool_choice, response_format, response_schema, image_prompts, chat_template_kwargs.
         Text in messages and tools never yields a control id (`sanitize_control_tokens` is always on).

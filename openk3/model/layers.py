@@ -82,9 +82,12 @@ def _lives_in(params: list[torch.Tensor], buffer: torch.Tensor) -> bool:
 def linear_weight(m: nn.Module) -> torch.Tensor:
     """The weight [out, in] that linear-like module `m` applies, for code that uses a projection's matrix rather
     than calling it (MLA's `kv_b_proj`, the AttnRes pseudo-queries). An `nn.Linear` gives its `weight`.
-    Anything else (a PEFT LoRA wrapper, whose `.weight` is the *base* weight without the adapter) is probed: the
-    module applied to the identity rows is W^T exactly (each output sums one product with 1 and zeros), plus
-    whatever the wrapper adds, with autograd, so an adapter trains and decodes through these uses as well."""
+
+    A PEFT LoRA layer (whose `.weight` is the *base* weight, without the adapter) gives base + each active
+    adapter's `get_delta_weight` (with autograd, so an adapter trains and decodes through these uses as well);
+    LoRA dropout acts on a module's input rows, which a matrix use does not have, so it does not apply here.
+    Any other wrapper (DoRA, other tuners) is probed: the module applied to the identity rows is W^T exactly (each
+    output sums one product with 1 and zeros) plus what the wrapper adds; exact, but it costs an in x in input."""
     if isinstance(m, nn.Linear):  # (FSDP2 makes subclasses of the modules it wraps)
         return m.weight
     base = m
@@ -92,9 +95,26 @@ def linear_weight(m: nn.Module) -> torch.Tensor:
         base = base.base_layer
     if not isinstance(base, nn.Linear) or base.bias is not None:
         raise ValueError(f"{type(m).__name__}: expected a bias-free linear layer (or a wrapper of one)")
-    w = base.weight
-    eye = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+    if _plain_lora(m, base):
+        w = base.weight
+        if m.disable_adapters or m.merged:  # (merged: the base weight holds the deltas already)
+            return w
+        for name in m.active_adapters:
+            if name in m.lora_A:
+                if m.lora_bias.get(name, False):
+                    raise ValueError(f"{type(m).__name__}: a LoRA bias (lora_bias=True) cannot be part of a matrix "
+                                     f"(MLA's kv_b_proj, the AttnRes projections); train without it")
+                w = w + m.get_delta_weight(name).to(w.dtype)
+        return w
+    eye = torch.eye(base.weight.shape[1], dtype=base.weight.dtype, device=base.weight.device)
     return m(eye).t()
+
+
+def _plain_lora(m: nn.Module, base: nn.Linear) -> bool:
+    """A PEFT `lora.Linear` directly around `base`, without DoRA or another variant (duck-typed: no peft import)."""
+    return (getattr(m, "base_layer", None) is base and hasattr(m, "get_delta_weight") and hasattr(m, "lora_A")
+            and hasattr(m, "lora_bias") and not any(getattr(m, "use_dora", {}).values())
+            and not getattr(m, "lora_variant", None))
 
 
 class RMSNorm(nn.Module):

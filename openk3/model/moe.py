@@ -165,7 +165,10 @@ class Experts(nn.Module):
         elif impl == "grouped_op":
             r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
         elif impl == "sparse":
-            views = self.decode_views() if not torch.is_grad_enabled() else None
+            # (views cached across steps only of the parameters themselves: a PEFT adapter's W + delta is a new
+            # tensor each call, and caching views of it would keep a second copy of the experts alive)
+            plain = isinstance(ex.w1, nn.Parameter)
+            views = self.decode_views() if plain and not torch.is_grad_enabled() else None
             r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu, views=views)
         else:
             experts = {"grouped": moe_ops.experts_grouped, "loop": moe_ops.experts_loop}[impl]
