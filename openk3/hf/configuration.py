@@ -24,12 +24,13 @@ from transformers import PreTrainedConfig
 from openk3.config import K3Config
 
 # Fields transformers' base config declares (and writes): not part of the K3 text model's description.
-_HF_BASE = frozenset(f.name for f in dataclasses.fields(PreTrainedConfig)) - {"dtype"}
+_HF_BASE = frozenset(f.name for f in dataclasses.fields(PreTrainedConfig)) - {"dtype", "architectures"}
 
 
 class KimiK3TextConfig(PreTrainedConfig):
     """The `text_config` of a K3 checkpoint (a bare `kimi_linear` dict with K3's fields). Attributes are the file's
-    keys; `layer_types` is derived as transformers' KimiLinear does (its cache and mask helpers read it)."""
+    keys (transformers' derived ones, such as `layer_types`, are accepted when they agree; none is added: openk3's
+    model makes its own cache and masks)."""
 
     model_type = "kimi_linear"
     keys_to_ignore_at_inference = ["past_key_values"]
