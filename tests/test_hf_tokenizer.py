@@ -378,25 +378,14 @@ def test_config_replaces_foreign_code_pointers(tok):
     assert "auto_map" not in cfg and cfg["tokenizer_class"] == HF_CLASS_NAME and cfg["model_max_length"] == 1048576
 
 
-def _dense_ranks(n: int, seed: int) -> dict[bytes, int]:
-    """256 bytes + tokens joined from two earlier ones (biased to low ranks): many splits per token, many of them
-    cutting UTF-8 characters -- the hard case for re-derived merges."""
-    rnd = random.Random(seed)
-    ranks = {bytes([b]): b for b in range(256)}
-    toks = list(ranks)
-    while len(toks) < n:
-        t = toks[int(len(toks) * rnd.random() ** 3)] + toks[int(len(toks) * rnd.random() ** 3)]
-        if len(t) <= 12 and t not in ranks:
-            ranks[t] = len(toks)
-            toks.append(t)
-    return ranks
-
-
 @pytest.mark.slow(seconds=4)
 def test_k3_full_size_layout(tmp_path):
     """K3's real layout: 163,584 ranks (dense synthetic ones), the specials at 163,584.. with K3's names (reserved
     ones named by absolute id); a vocabulary over 100k also takes transformers through its Mistral-regex check."""
-    tok = Tokenizer(_dense_ranks(163_584, seed=3), config={"model_max_length": 1048576})
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_structured import synthetic_tokenizer  # (dense synthetic ranks: many splits cut UTF-8 characters)
+
+    tok = Tokenizer(synthetic_tokenizer(163_584, seed=3).ranks, config={"model_max_length": 1048576})
     save_hf_tokenizer(tok, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k3", "transformers_version": "5.23.0"}))
     plain = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path)

@@ -236,6 +236,15 @@ def load(path, dtype: torch.dtype | str | None = None, device: str | torch.devic
 _HF_DENSE = re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.(gate|up|down)_proj\.weight")
 
 
+def load_to_rewrite(src, experts_format: str | None = None):
+    """(model, experts format to write) for rewriting checkpoint folder `src` (`openk3 convert`, `openk3 export`):
+    the format defaults to SRC's own; packed -> packed keeps the MXFP4 codes as they are (re-packing would be exact
+    too, but may pick other bytes). Tensors are read as stored; `save` casts them once to the dtype written."""
+    packed = "quantization_config" in read_config(src).extra
+    experts_format = experts_format or ("mxfp4" if packed else "bf16")
+    return load(src, keep_packed=packed and experts_format == "mxfp4"), experts_format
+
+
 def _transformers_aliases(cfg: K3Config, info: dict) -> dict[str, str]:
     """Canonical name -> file name for a bare checkpoint. transformers' `save_pretrained` of KimiLinear
     writes the dense MLP of the first layers as `block_sparse_moe.{gate,up,down}_proj` (its reverse

@@ -88,7 +88,7 @@ def save(model, path, *, wrapper: bool | None = None, experts_format: str | None
     if cfg is None:
         raise ValueError(f"save expects an openk3 K3ForCausalLM (with .config), got {type(model).__name__}")
     if wrapper is None:
-        wrapper = cfg.use_attn_res or "_wrapper" in cfg.extra or not kimi_linear_form(cfg)
+        wrapper = "_wrapper" in cfg.extra or not kimi_linear_form(cfg)  # (AttnRes is one of the K3-only features)
     prefix = PREFIX if wrapper else ""
     sources = _Sources(model, dtype)
     items = [(prefix + e.name, e.shape, e.disk_dtype(dtype), sources.producer(e)) for e in layout(cfg, experts_format)]

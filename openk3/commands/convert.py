@@ -31,19 +31,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     import os
 
-    from openk3.checkpoint import load, read_config, resolve_checkpoint, save
+    from openk3.checkpoint import resolve_checkpoint, save
+    from openk3.checkpoint.load import load_to_rewrite
     from openk3.checkpoint.save import carried_files
 
     args.src = str(resolve_checkpoint(args.src))  # a run folder converts its latest checkpoint
     if os.path.abspath(args.src) == os.path.abspath(args.dst):
         raise ValueError("SRC and DST must differ (the write is atomic, but reading needs SRC intact)")
-    cfg = read_config(args.src)
-    packed = "quantization_config" in cfg.extra
-    experts = args.experts or ("mxfp4" if packed else "bf16")
     wrapper = True if args.wrapper else False if args.bare else None
-    # Packed -> packed keeps the codes as they are (re-packing would be exact too, but may pick other bytes).
-    # The tensors are read as stored and cast once, by `save`, to the dtype written.
-    model = load(args.src, keep_packed=packed and experts == "mxfp4")
+    model, experts = load_to_rewrite(args.src, args.experts)
     dtype = args.dtype or model.model.embed_tokens.weight.dtype  # auto: the trunk dtype of SRC (as loaded)
     save(model, args.dst, wrapper=wrapper, experts_format=experts, dtype=dtype,
          max_shard_bytes=int(args.max_shard_gb * 2**30), extra_files=carried_files(args.src))

@@ -78,20 +78,22 @@ class KimiK3Config(PreTrainedConfig):
         return K3Config.from_dict(d, source=f"{self.name_or_path or 'config'}")
 
     @classmethod
-    def from_k3(cls, cfg: K3Config, *, quantization_config: dict[str, Any] | None = None) -> "KimiK3Config":
-        """The wrapper config for `cfg` (as `openk3.save(wrapper=True)` writes it, bf16 experts, no dtype set)."""
+    def from_k3(cls, cfg: K3Config) -> "KimiK3Config":
+        """The wrapper config for `cfg` (as `openk3.save(wrapper=True)` writes it, bf16 experts, its own dtype)."""
         from openk3.checkpoint.layout import config_files
 
-        text = cfg.to_dict()
-        config = config_files(cfg, wrapper=True, experts_format="bf16", dtype=_dtype_of(text))[0]
+        config = config_files(cfg, wrapper=True, experts_format="bf16", dtype=_dtype_of(cfg.to_dict()))[0]
         config.pop("transformers_version", None)
-        if quantization_config is not None:
-            config["text_config"]["quantization_config"] = quantization_config
         return cls(**config)
 
 
 def _dtype_of(text: dict[str, Any]):
+    """The dtype a text config names (`dtype`, or the older `torch_dtype`); bfloat16 (the release's) otherwise."""
     import torch
 
-    name = text.get("dtype", text.get("torch_dtype", "bfloat16"))
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.bfloat16
+    from openk3.common import resolve_dtype
+
+    try:
+        return resolve_dtype(text.get("dtype") or text.get("torch_dtype")) or torch.bfloat16
+    except ValueError:
+        return torch.bfloat16

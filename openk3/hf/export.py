@@ -15,6 +15,7 @@ swap it in, so OUT is either the old folder or the complete new one.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -68,22 +69,21 @@ def _source(src: str | os.PathLike, tokenizer: str | os.PathLike | None):
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(f"{tok_dir}: the tokenizer has {tok.vocab_size} ids, more than the model's vocab_size "
                          f"{cfg.vocab_size} ({src / 'config.json'})")
-    packed = "quantization_config" in cfg.extra
-    return src, tok, packed
+    return src, tok
 
 
 def _write(src, out, tokenizer, experts_format: str | None, dtype, *, remote_code: bool, patch) -> Path:
-    from openk3.checkpoint import files, load, save
+    from openk3.checkpoint import files, save
+    from openk3.checkpoint.load import load_to_rewrite
     from openk3.hf.tokenizer import save_hf_tokenizer
 
-    src, tok, packed = _source(src, tokenizer)
+    src, tok = _source(src, tokenizer)
     out = Path(out)
     if out.resolve() == src.resolve():
         raise ValueError("SRC and OUT must differ")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out}: exists and is not a folder")
-    experts_format = experts_format or ("mxfp4" if packed else "bf16")
-    model = load(src, keep_packed=packed and experts_format == "mxfp4")
+    model, experts_format = load_to_rewrite(src, experts_format)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = files.temp_sibling(out, "export")
     try:
@@ -127,7 +127,7 @@ def export_hf(src: str | os.PathLike, out: str | os.PathLike, *, tokenizer: str 
 def vllm_text_config(cfg, text: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `text_config` for vLLM: `text` (default `cfg.to_dict()`) plus every field of `VLLM_TEXT_FIELDS` written
     explicitly (defaults openk3 leaves out of config.json included)."""
-    text = json.loads(json.dumps(text if text is not None else cfg.to_dict()))
+    text = copy.deepcopy(text) if text is not None else cfg.to_dict()
     for name in VLLM_TEXT_FIELDS:
         if name not in text:
             text[name] = getattr(cfg, name)

@@ -162,8 +162,7 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
                                                       for k, v in state_dict.items()):
                 raise ValueError("save_pretrained(state_dict=...) with tensors other than this model's own (a sharded "
                                  "or gathered copy): save the model itself, or use openk3's distributed checkpoints")
-        shard = (5 * 2**30 if max_shard_size is None else max_shard_size if isinstance(max_shard_size, int)
-                 else parse_bytes(max_shard_size, "max_shard_size", "B"))
+        shard = 5 * 2**30 if max_shard_size is None else parse_bytes(max_shard_size, "max_shard_size")
         save(lm, save_directory, wrapper=True, experts_format=experts_format,
              dtype=dtype if dtype is not None else "auto", max_shard_bytes=shard)
 
@@ -184,12 +183,11 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         """A decoder layer has no single forward to wrap (Block AttnRes mixes between its sub-layers), so each
         layer's token mixer and FFN are recomputed through `DecoderLayer.sublayer_wrapper`, as
         `openk3.parallel.ac` does."""
-        from torch.utils.checkpoint import checkpoint
-
-        func = gradient_checkpointing_func or (lambda fn, *a: checkpoint(fn, *a, use_reentrant=False))
-
-        def wrap(fn, *args):
-            return func(fn, *args) if torch.is_grad_enabled() else fn(*args)
+        if gradient_checkpointing_func is None:
+            from openk3.parallel.ac import checkpointed as wrap
+        else:
+            def wrap(fn, *args):
+                return gradient_checkpointing_func(fn, *args) if torch.is_grad_enabled() else fn(*args)
 
         layers = [m for m in self.modules() if isinstance(m, DecoderLayer)]
         for i, layer in enumerate(layers):
@@ -243,10 +241,8 @@ class KimiK3ForConditionalGeneration(KimiK3PreTrainedModel, GenerationMixin):
         # MLA as openk3's engine runs it: the naive form over a prompt (the same arithmetic as training and as a
         # forward without cache: equal logits), the absorbed one for a decode step
         mla_impl = "absorbed" if cache is not None and T == 1 else "naive"
-        if inputs_embeds is None:
-            logits = lm(input_ids, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, last_only=last_only)
-        else:
-            logits = _forward_embeds(lm, inputs_embeds, seg_BT, cache, mla_impl, last_only)
+        logits = lm(input_ids, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, last_only=last_only,
+                    inputs_embeds_BTD=inputs_embeds)
         if isinstance(logits_to_keep, int) and logits_to_keep > 1:
             logits = logits[:, -logits_to_keep:]
         elif isinstance(logits_to_keep, torch.Tensor):
@@ -307,22 +303,6 @@ def _segments(mask_BT: torch.Tensor | None, pos_BT: torch.Tensor | None, B: int,
             starts[:, 1:] = (pos_BT[:, 1:] == 0).long()
             seg = starts.cumsum(1) if seg is None else (seg * (T + 1) + starts.cumsum(1))
     return seg
-
-
-def _forward_embeds(lm: K3ForCausalLM, x_BTD: torch.Tensor, seg_BT, cache, mla_impl: str,
-                    last_only: bool) -> torch.Tensor:
-    """`K3ForCausalLM.forward` from input embeddings instead of ids (PEFT prompt tuning, custom embeddings)."""
-    m = lm.model
-    if cache is not None:
-        for i, layer in enumerate(m.layers):
-            if cache.layers[i] is None:
-                cache.layers[i] = layer.self_attn.empty_state(x_BTD.shape[0], x_BTD.device, x_BTD.dtype)
-    x_BTD, blocks = m.run_layers(0, len(m.layers), x_BTD, [], seg_BT=seg_BT,
-                                 states=cache.layers if cache is not None else None, mla_impl=mla_impl)
-    if cache is not None:
-        cache.advance(x_BTD.shape[1])
-    h_BTD = m.output(x_BTD, blocks)
-    return lm.lm_head(h_BTD[:, -1:] if last_only else h_BTD)
 
 
 def _plain_model(model: KimiK3ForConditionalGeneration) -> K3ForCausalLM:

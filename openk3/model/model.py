@@ -30,7 +30,7 @@ FP32_NAMES = ("conv1d.weight", "A_log", "dt_bias", "self_attn.o_norm.weight", "e
 
 def _query(norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
     """An AttnRes site's pseudo-query: gamma * w folds the key norm's gain in (spec §4.3 step 3)."""
-    return upcast(norm.weight) * upcast(linear_weight(proj)[0])  # (probed when LoRA wraps it)
+    return upcast(norm.weight) * upcast(linear_weight(proj)[0])  # (an adapter around proj included)
 
 
 class DecoderLayer(nn.Module):
@@ -121,11 +121,14 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.output_attn_res_proj = nn.Linear(cfg.hidden_size, 1, bias=False)
 
-    def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
-                cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "auto") -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor | None, *, seg_BT: torch.Tensor | None = None,
+                cache: DenseCache | None = None, mla_impl: str = "naive", moe_impl: str = "auto",
+                inputs_embeds_BTD: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids [B, T] -> final hidden states [B, T, D] (after `model.norm`): `embed`, `run_layers` over
-        every layer, `output` (a pipeline stage runs the same pieces over its own layers)."""
-        x_BTD = self.embed(input_ids_BT)
+        every layer, `output` (a pipeline stage runs the same pieces over its own layers). `inputs_embeds_BTD`
+        instead of ids: the first layer's input given (PEFT prompt tuning, transformers' `inputs_embeds`)."""
+        assert (input_ids_BT is None) != (inputs_embeds_BTD is None), "ids or embeddings, one of them"
+        x_BTD = self.embed(input_ids_BT) if inputs_embeds_BTD is None else inputs_embeds_BTD
         B = x_BTD.shape[0]
         if cache is not None:
             for i, layer in enumerate(self.layers):
@@ -135,7 +138,7 @@ class K3Model(nn.Module):
                                         states=cache.layers if cache is not None else None,
                                         mla_impl=mla_impl, moe_impl=moe_impl)
         if cache is not None:
-            cache.advance(input_ids_BT.shape[1])
+            cache.advance(x_BTD.shape[1])
         return self.output(x_BTD, blocks)
 
     def embed(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
@@ -290,10 +293,11 @@ class K3ForCausalLM(nn.Module):
                     mod.A_log[: mod.num_heads] = torch.log(heads)
                 mod.o_norm.weight.fill_(1.0)
 
-    def forward(self, input_ids_BT: torch.Tensor, *, seg_BT: torch.Tensor | None = None,
+    def forward(self, input_ids_BT: torch.Tensor | None, *, seg_BT: torch.Tensor | None = None,
                 cache: DenseCache | None = None, mla_impl: str | None = None,
-                moe_impl: str = "auto", last_only: bool = False) -> torch.Tensor:
-        """Token ids [B, T] -> logits [B, T, V].
+                moe_impl: str = "auto", last_only: bool = False,
+                inputs_embeds_BTD: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids [B, T] (or `inputs_embeds_BTD` [B, T, D], the first layer's input) -> logits [B, T, V].
 
         Args:
             seg_BT: optional document index per token of packed rows (non-decreasing per row): KDA
@@ -307,7 +311,8 @@ class K3ForCausalLM(nn.Module):
             raise ValueError("packed documents (seg_BT) cannot be combined with a decode cache")
         if mla_impl is None:
             mla_impl = "absorbed" if cache is not None else "naive"
-        h_BTD = self.model(input_ids_BT, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, moe_impl=moe_impl)
+        h_BTD = self.model(input_ids_BT, seg_BT=seg_BT, cache=cache, mla_impl=mla_impl, moe_impl=moe_impl,
+                           inputs_embeds_BTD=inputs_embeds_BTD)
         return self.lm_head(h_BTD[:, -1:] if last_only else h_BTD)
 
     def new_cache(self) -> DenseCache:

@@ -127,12 +127,10 @@ class Experts(nn.Module):
     def decode_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per expert the gate, up and down weights transposed for `x @ w` ([C, I], [C, I], [I, C]): views of the
         parameters, so no write to them can leave these stale. Cached until the weights get new storage."""
-        ex = self
-
         def build():
-            return tuple(list(w.detach().transpose(1, 2).unbind(0)) for w in (ex.w1, ex.w3, ex.w2))
+            return tuple(list(w.detach().transpose(1, 2).unbind(0)) for w in (self.w1, self.w3, self.w2))
 
-        return cached_on(self, "expert_views", [ex.w1, ex.w3, ex.w2], build)
+        return cached_on(self, "expert_views", [self.w1, self.w3, self.w2], build)
 
     def forward(self, z_NC: torch.Tensor, w_NK: torch.Tensor, idx_NK: torch.Tensor, glu, act: tuple,
                 impl: str = "auto") -> torch.Tensor:
@@ -143,36 +141,38 @@ class Experts(nn.Module):
         adapter. `glu`/`act`: the activation and its recipe (name, beta, linear beta); `impl`: see
         `SparseMoE.forward`.
         """
-        ex, N, top_k = self, z_NC.shape[0], idx_NK.shape[1]
+        # (each weight read once: under a PEFT adapter a read is the parametrised W + delta)
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        N, top_k = z_NC.shape[0], idx_NK.shape[1]
         if impl == "auto":
-            E, I, C = ex.w1.shape
-            fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, ex.w1, act[0]) and _fused_available()
+            E, I, C = w1.shape
+            fused = I * C <= FUSED_MAX_EXPERT and moe_cpu.supports(z_NC, w1, act[0]) and _fused_available()
             if torch.compiler.is_compiling():
-                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z_NC, w_NK, ex.w1, ex.w3, ex.w2))
+                grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z_NC, w_NK, w1, w3, w2))
                 impl = compiled_impl(N, top_k, E, I, C, fused=fused, grad=grad)
             elif fused and N * I * C * torch.get_num_threads() <= FUSED_MAX_WORK:
                 impl = "fused"
             else:
                 impl = "sparse" if N <= 4 else "grouped"
         if impl == "fused" and not torch.compiler.is_compiling():  # (ctypes cannot be traced: the op)
-            r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+            r_NC = moe_cpu.experts_fused(z_NC, w_NK, idx_NK, w1, w3, w2, *act)
         elif impl in ("fused", "fused_op"):
-            r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+            r_NC = moe_cpu.experts_fused_op(z_NC, w_NK, idx_NK, w1, w3, w2, *act)
         elif impl == "gather":
-            r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+            r_NC = moe_ops.experts_gather(z_NC, w_NK, idx_NK, w1, w3, w2, glu)
         elif impl == "dense":
-            r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+            r_NC = moe_ops.experts_dense(z_NC, w_NK, idx_NK, w1, w3, w2, glu)
         elif impl == "grouped_op":
-            r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, *act)
+            r_NC = _experts_grouped_op(z_NC, w_NK, idx_NK, w1, w3, w2, *act)
         elif impl == "sparse":
             # (views cached across steps only of the parameters themselves: a PEFT adapter's W + delta is a new
             # tensor each call, and caching views of it would keep a second copy of the experts alive)
-            plain = isinstance(ex.w1, nn.Parameter)
+            plain = isinstance(w1, nn.Parameter)
             views = self.decode_views() if plain and not torch.is_grad_enabled() else None
-            r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu, views=views)
+            r_NC = moe_ops.experts_sparse(z_NC, w_NK, idx_NK, w1, w3, w2, glu, views=views)
         else:
             experts = {"grouped": moe_ops.experts_grouped, "loop": moe_ops.experts_loop}[impl]
-            r_NC = experts(z_NC, w_NK, idx_NK, ex.w1, ex.w3, ex.w2, glu)
+            r_NC = experts(z_NC, w_NK, idx_NK, w1, w3, w2, glu)
         return r_NC
 
 
